@@ -1,0 +1,405 @@
+"""Scheduler side: routing kept per KV-cache slot, for as long as its block lives."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import operator
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from slotroute.spec import MissingRoutingError, RoutingSpec
+
+__all__ = ["INPUT_DTYPES", "RoutedExpertsManager", "StoreStats"]
+
+# Expert-id dtypes store_batch accepts: narrow ones as the capturer ships them,
+# wide ones as vLLM's own capturer does.
+INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.dtype(np.int64))
+
+# Unsigned views used by the one-pass range check: a negative id viewed unsigned is
+# larger than any valid one, so ``max(view) < num_experts`` checks both bounds.
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+# Prefill chunks copied as whole-block runs per call. Each costs one Python-level
+# numpy call; beyond this many the per-token scatter is as fast.
+MAX_BLOCK_RUNS = 64
+
+
+class StoreStats(msgspec.Struct, frozen=True):
+    """Memory and occupancy of a :class:`RoutedExpertsManager`.
+
+    ``capacity_bytes``: size of the slot buffer (virtual; what a dense allocation
+    would cost). ``resident_bytes``: bytes of it the OS holds in memory now (from
+    ``mincore``; where that is unavailable, the bytes of written slots, a lower
+    bound). ``slots_written``: slots holding routing that may be read.
+    """
+
+    capacity_bytes: int
+    resident_bytes: int
+    slots_written: int
+
+
+class RoutedExpertsManager:
+    """Slot-indexed routing store: row ``s`` of ``routed_experts_by_slot`` is the
+    routing of the token in KV-cache slot ``s = block_id * block_size + offset``,
+    and it is returned by :meth:`get` only if it was written by :meth:`store_batch`
+    since its block was last invalidated.
+
+    Every expert id in the buffer written through this class is in
+    ``[0, spec.num_experts)``. The buffer is ``np.zeros`` of the whole pool, which
+    the OS pages in lazily: it costs memory only for the pages actually written.
+    Every method validates its arguments before touching any state, so a call that
+    raises has changed nothing.
+
+    Parameters
+    ----------
+    spec
+        Shape of one token's routing; ``spec.storage_dtype`` is the buffer dtype.
+    num_blocks, block_size
+        The KV-cache block pool this store mirrors.
+
+    Raises
+    ------
+    ValueError
+        If ``spec`` is not a RoutingSpec or a size is not a positive integer.
+    """
+
+    def __init__(self, spec: RoutingSpec, num_blocks: int, block_size: int) -> None:
+        if not isinstance(spec, RoutingSpec):
+            raise ValueError(f"spec must be a RoutingSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self.num_blocks = _positive_int("num_blocks", num_blocks)
+        self.block_size = _positive_int("block_size", block_size)
+        self.num_slots = self.num_blocks * self.block_size
+        layers, top_k = spec.token_shape
+        self._buffer = np.zeros((self.num_slots, layers, top_k), dtype=spec.storage_dtype)
+        self._by_block = self._buffer.reshape(self.num_blocks, self.block_size, layers, top_k)
+        # NOTE: one flag per slot; True means "written since the block was last
+        # invalidated". Demand-paged like the buffer.
+        self._written = np.zeros(self.num_slots, dtype=bool)
+        self._written_by_block = self._written.reshape(self.num_blocks, self.block_size)
+        # Scratch for the duplicate-slot check in store_batch; its contents between
+        # calls mean nothing.
+        self._stamp = np.zeros(self.num_slots, dtype=np.int32)
+        self._iota = np.arange(0, dtype=np.int32)
+        # Ids of dtypes whose whole range is valid need no range check.
+        self._check_ids = {
+            dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
+        }
+        view = self._buffer.view()
+        view.flags.writeable = False
+        self._readonly_view = view
+
+    @property
+    def routed_experts_by_slot(self) -> np.ndarray:
+        """The slot buffer, shape ``(num_slots, num_layers, top_k)``, storage dtype.
+
+        A **read-only view**: rows of unwritten or invalidated slots hold stale data
+        or zeros; only :meth:`get` knows which rows are valid.
+        """
+        return self._readonly_view
+
+    def store_batch(self, data: np.ndarray, slot_mapping: np.ndarray | Sequence[int]) -> None:
+        """Write one step's routing: row ``i`` of ``data`` into slot ``slot_mapping[i]``.
+
+        Slots < 0 are padding: their rows are skipped and not checked. If a slot
+        repeats, the last row that names it wins. Bounded by memory bandwidth for
+        large steps (whole blocks are copied as rows of ``block_size`` tokens) and by
+        Python call overhead for decode steps.
+
+        Parameters
+        ----------
+        data
+            Expert ids, shape ``(N, num_layers, top_k)``, dtype uint8, uint16, int32
+            or int64. It is copied; the caller keeps ownership.
+        slot_mapping
+            Integer array or sequence of shape ``(N,)``.
+
+        Raises
+        ------
+        ValueError
+            Wrong shape or dtype, or an expert id outside ``[0, num_experts)`` in a
+            non-padding row (the message names the first one found).
+        IndexError
+            A slot >= ``num_slots``.
+        """
+        data, slots = self._checked_batch(data, slot_mapping)
+        if slots.shape[0] == 0:
+            return
+        if slots.shape[0] > 1 and not self._unique(slots):
+            data, slots = _last_write_per_slot(data, slots)
+        self._write(data, slots)
+
+    def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
+        """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
+        token ``t`` lives in block ``block_ids[t // block_size]``.
+
+        Only the blocks covering the range are read, each as one contiguous copy;
+        bounded by memory bandwidth.
+
+        Returns
+        -------
+        np.ndarray
+            Shape ``(num_tokens - token_start, num_layers, top_k)``, storage dtype.
+            A **copy**: it shares no memory with the store and stays valid after
+            later writes or invalidations.
+
+        Raises
+        ------
+        IndexError
+            A block id outside ``[0, num_blocks)``.
+        ValueError
+            ``block_ids`` not 1-D integers, ``num_tokens`` negative or beyond
+            ``len(block_ids) * block_size``, or ``token_start`` outside
+            ``[0, num_tokens]``.
+        MissingRoutingError
+            Some token in the range has a slot not written since its block was last
+            invalidated (the message lists which tokens).
+        """
+        blocks = self._checked_blocks(block_ids)
+        num_tokens = _index_int("num_tokens", num_tokens)
+        token_start = _index_int("token_start", token_start)
+        capacity = blocks.shape[0] * self.block_size
+        if not 0 <= num_tokens <= capacity:
+            raise ValueError(
+                f"num_tokens must be in [0, {capacity}] for {blocks.shape[0]} blocks of "
+                f"{self.block_size}, got {num_tokens}"
+            )
+        if not 0 <= token_start <= num_tokens:
+            raise ValueError(f"token_start must be in [0, {num_tokens}] (num_tokens), got {token_start}")
+        first = token_start // self.block_size
+        used = blocks[first : -(-num_tokens // self.block_size)]
+        lo = token_start - first * self.block_size
+        hi = num_tokens - first * self.block_size
+        written = self._written_by_block[used].reshape(-1)[lo:hi]
+        if not written.all():
+            raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
+        out = np.take(self._by_block, used, axis=0)
+        return out.reshape(-1, *self.spec.token_shape)[lo:hi]
+
+    def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
+        """Mark every slot of these blocks unwritten: :meth:`get` of them raises
+        :class:`MissingRoutingError` until they are written again. The routing bytes
+        are left in place (and resident).
+
+        Raises
+        ------
+        IndexError
+            A block id outside ``[0, num_blocks)``.
+        ValueError
+            ``block_ids`` not 1-D integers.
+        """
+        blocks = self._checked_blocks(block_ids)
+        self._written_by_block[blocks] = False
+
+    def stats(self) -> StoreStats:
+        """Capacity, resident memory and occupancy of the slot buffer (a snapshot)."""
+        resident = _resident_bytes(self._buffer)
+        written = int(np.count_nonzero(self._written))
+        if resident is None:
+            resident = written * self.spec.bytes_per_token
+        return StoreStats(self._buffer.nbytes, resident, written)
+
+    def __repr__(self) -> str:
+        layers, top_k = self.spec.token_shape
+        return (
+            f"RoutedExpertsManager(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"slots=({self.num_slots}, {layers}, {top_k}) {self.spec.storage_dtype})"
+        )
+
+    # -- validation (once, at the boundary) ---------------------------------------
+
+    def _checked_batch(self, data, slot_mapping) -> tuple[np.ndarray, np.ndarray]:
+        """Validate one step and drop its padding rows. Returns views where it can."""
+        if not isinstance(data, np.ndarray):
+            raise ValueError(f"data must be a numpy array, got {type(data).__name__}")
+        slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else np.asarray(slot_mapping)
+        if data.dtype not in self._check_ids:
+            raise ValueError(f"data dtype must be one of uint8, uint16, int32, int64, got {data.dtype}")
+        if data.ndim != 3 or data.shape[1:] != self.spec.token_shape:
+            raise ValueError(
+                f"data must have shape (N, {self.spec.num_layers}, {self.spec.top_k}) "
+                f"(N, num_layers, top_k), got {data.shape}"
+            )
+        if slots.shape != (data.shape[0],):
+            raise ValueError(f"slot_mapping must have shape ({data.shape[0]},) to match data, got {slots.shape}")
+        if slots.dtype.kind not in "iu":
+            if slots.size or slots.dtype.kind != "f":  # np.asarray([]) is float64
+                raise ValueError(f"slot_mapping must hold integers, got dtype {slots.dtype}")
+            slots = slots.astype(np.int64)
+        if slots.shape[0] == 0:
+            return data, slots
+        top = slots.max()
+        if top >= self.num_slots:
+            row = int(np.argmax(slots >= self.num_slots))
+            raise IndexError(
+                f"slot {int(slots[row])} (row {row}) is out of range: the store has "
+                f"{self.num_slots} slots ({self.num_blocks} blocks of {self.block_size})"
+            )
+        if slots.dtype.kind == "i" and slots.min() < 0:
+            data, slots = _drop_padding(data, slots)
+        if self._check_ids[data.dtype] and data.size:
+            unsigned = data.view(_UNSIGNED[data.dtype.itemsize])
+            if unsigned.max() >= self.spec.num_experts:
+                raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
+        return data, slots
+
+    def _checked_blocks(self, block_ids) -> np.ndarray:
+        blocks = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
+        if blocks.ndim != 1:
+            raise ValueError(f"block_ids must be 1-D, got shape {blocks.shape}")
+        if blocks.size == 0:
+            return blocks.astype(np.intp)
+        if blocks.dtype.kind not in "iu":
+            raise ValueError(f"block_ids must hold integers, got dtype {blocks.dtype}")
+        bad = (blocks < 0) | (blocks >= self.num_blocks)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise IndexError(
+                f"block id {int(blocks[i])} (position {i}) is out of range [0, {self.num_blocks})"
+            )
+        return blocks
+
+    # -- the write itself (arguments already valid) ---------------------------------
+
+    def _unique(self, slots: np.ndarray) -> bool:
+        """Whether no slot repeats. Stamps each slot with its row and reads the stamps
+        back: a repeated slot keeps only one row's stamp, whatever order numpy
+        scatters in. Two passes over N int32s."""
+        n = slots.shape[0]
+        if self._iota.shape[0] < n:
+            self._iota = np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32)
+        iota = self._iota[:n]
+        self._stamp[slots] = iota
+        return bool(np.array_equal(self._stamp[slots], iota))
+
+    def _write(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """Copy rows into their (distinct, valid) slots, casting to the storage dtype.
+
+        Aligned runs of whole blocks are copied block by block (rows of
+        block_size * L * K values); the rest token by token."""
+        bs = self.block_size
+        runs = _block_runs(slots, bs) if slots.shape[0] >= 2 * bs else ()
+        if not runs:
+            self._buffer[slots] = data
+        else:
+            rest = np.ones(slots.shape[0], dtype=bool)
+            for start, stop in runs:  # bounded by MAX_BLOCK_RUNS
+                self._by_block[slots[start:stop:bs] // bs] = data[start:stop].reshape(-1, bs, *data.shape[1:])
+                rest[start:stop] = False
+            if not rest.all():
+                self._buffer[slots[rest]] = data[rest]
+        self._written[slots] = True
+
+
+def _block_runs(slots: np.ndarray, block_size: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` made of whole blocks: ``slots[start]`` is a block's
+    first slot and every following ``block_size`` rows continue it slot by slot.
+
+    Consecutive aligned blocks in row order form one run (any block ids). Returns
+    at most MAX_BLOCK_RUNS runs (none when there would be more)."""
+    n = slots.shape[0]
+    consecutive = np.empty(n, dtype=np.int64)
+    consecutive[0] = 0
+    np.cumsum(np.diff(slots) == 1, out=consecutive[1:])
+    # Candidate block starts: aligned slot, and block_size - 1 steps of +1 follow.
+    starts = np.flatnonzero(slots[: n - block_size + 1] % block_size == 0)
+    whole = consecutive[starts + block_size - 1] - consecutive[starts] == block_size - 1
+    starts = starts[whole]
+    if starts.shape[0] == 0:
+        return []
+    # Blocks whose rows follow each other form one run.
+    breaks = np.flatnonzero(np.diff(starts) != block_size) + 1
+    if breaks.shape[0] >= MAX_BLOCK_RUNS:
+        return []
+    firsts = starts[np.r_[0, breaks]].tolist()
+    lasts = (starts[np.r_[breaks - 1, starts.shape[0] - 1]] + block_size).tolist()
+    return list(zip(firsts, lasts))
+
+
+def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    keep = slots >= 0
+    count = int(np.count_nonzero(keep))
+    if keep[:count].all():  # padding only at the tail, as CUDA-graph padding is
+        return data[:count], slots[:count]
+    return data[keep], slots[keep]
+
+
+def _last_write_per_slot(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Keep, for every slot, only the last row naming it (np.unique returns the first
+    occurrence of each value, so it is applied to the reversed slots)."""
+    _, first_from_end = np.unique(slots[::-1], return_index=True)
+    rows = slots.shape[0] - 1 - first_from_end
+    return data[rows], slots[rows]
+
+
+def _bad_expert_message(data: np.ndarray, slots: np.ndarray, num_experts: int) -> str:
+    bad = (data < 0) | (data >= num_experts)
+    row, layer, k = (int(i) for i in np.argwhere(bad)[0])
+    return (
+        f"expert id {int(data[row, layer, k])} at row {row} (slot {int(slots[row])}), layer "
+        f"{layer}, k {k} is outside [0, {num_experts}); {int(np.count_nonzero(bad))} ids "
+        f"out of range in this batch"
+    )
+
+
+def _missing_message(written: np.ndarray, token_start: int, num_tokens: int) -> str:
+    missing = np.flatnonzero(~written) + token_start
+    # Collapse into ranges "a-b" so a long gap stays readable.
+    cut = np.flatnonzero(np.diff(missing) != 1) + 1
+    spans = [(int(run[0]), int(run[-1])) for run in np.split(missing, cut)]
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:8])
+    if len(spans) > 8:
+        text += f", ... ({len(spans) - 8} more ranges)"
+    return (
+        f"no routing stored for {missing.shape[0]} of tokens {token_start}-{num_tokens - 1}: "
+        f"tokens {text} (never written, or their block was invalidated since)"
+    )
+
+
+def _positive_int(name: str, value) -> int:
+    value = _index_int(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _index_int(name: str, value) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got bool")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _load_mincore():
+    path = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(path, use_errno=True).mincore
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MINCORE = _load_mincore()
+
+
+def _resident_bytes(array: np.ndarray) -> int | None:
+    """Bytes of ``array``'s pages that are resident now, or None where mincore is
+    unavailable. Counts whole pages overlapping the array."""
+    if _MINCORE is None or array.nbytes == 0:
+        return None
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    length = array.ctypes.data + array.nbytes - start
+    pages = -(-length // page)
+    vec = np.zeros(pages, dtype=np.uint8)
+    if _MINCORE(start, length, vec.ctypes.data) != 0:
+        return None
+    return int(np.count_nonzero(vec & 1)) * page
