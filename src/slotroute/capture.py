@@ -1,0 +1,550 @@
+"""Worker side: record the experts every MoE layer routes each token to, and ship one
+step's worth to the host in the storage dtype.
+
+This is the only slotroute module that imports torch. It imports no inference engine:
+the engine passes ``topk_ids`` and a :class:`BatchLayout`, and hands the
+:class:`~slotroute.wire.RoutedExpertsLists` from :meth:`PendingSnapshot.result` to the
+scheduler. ``docs/capture.md`` walks through the layouts and the snapshot pipeline.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slotroute.spec import RoutingSpec
+from slotroute.wire import RoutedExpertsLists
+
+try:  # Triton ships with the CUDA builds of torch; without it snapshots use two torch ops.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the torch build
+    triton = None
+
+__all__ = ["BatchLayout", "PendingSnapshot", "RoutedExpertsCapturer"]
+
+# The value clear_buffer() writes: outside every spec's [0, num_experts), so a
+# (token, layer) that no capture() wrote since is reported by the snapshot's check.
+NOT_CAPTURED = -1
+# Torch has no full uint16 support; uint16 ids travel as int16 with the same bits.
+_TORCH_STORAGE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int16}
+_TOPK_DTYPES = (torch.int32, torch.int64)
+
+
+def _int_tuple(name: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    out = tuple(int(v) for v in values)
+    if not out or min(out) < 0:
+        raise ValueError(f"BatchLayout.{name} must be a non-empty list of counts >= 0, got {out}")
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLayout:
+    """Where this rank's tokens sit among the rows of the ``topk_ids`` a router sees.
+
+    Validated on construction and immutable: ``dp_rank`` indexes
+    ``num_tokens_across_dp``; ``local_sizes``, when given, holds the same number of
+    shard sizes for every DP rank (DP-major, TP-minor, padding included) and each DP
+    rank's shards hold at least its tokens. The default describes a single rank: every
+    row of ``topk_ids`` is one of this rank's tokens.
+
+    Parameters
+    ----------
+    num_tokens_across_dp
+        Tokens each data-parallel rank runs this step; ``None`` for a single DP rank
+        without sequence parallelism.
+    dp_rank
+        This rank's index into ``num_tokens_across_dp``.
+    tp_size
+        Tensor-parallel size; sequence-parallel shards are ``ceil(t / tp_size)`` rows.
+    local_sizes
+        Row counts of the sequence-parallel shards gathered across DP ranks by a naive
+        DP+EP dispatch, or ``None``.
+
+    Raises
+    ------
+    ValueError
+        If a count is negative, ``dp_rank`` or ``tp_size`` is out of range, or
+        ``local_sizes`` does not split evenly into shards that hold each DP rank's tokens.
+    """
+
+    num_tokens_across_dp: tuple[int, ...] | None = None
+    dp_rank: int = 0
+    tp_size: int = 1
+    local_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        counts = _int_tuple("num_tokens_across_dp", self.num_tokens_across_dp)
+        shards = _int_tuple("local_sizes", self.local_sizes)
+        object.__setattr__(self, "num_tokens_across_dp", counts)
+        object.__setattr__(self, "local_sizes", shards)
+        if int(self.tp_size) < 1:
+            raise ValueError(f"BatchLayout.tp_size must be >= 1, got {self.tp_size}")
+        object.__setattr__(self, "tp_size", int(self.tp_size))
+        object.__setattr__(self, "dp_rank", int(self.dp_rank))
+        if counts is None:
+            if self.dp_rank != 0 or shards is not None:
+                raise ValueError(
+                    "BatchLayout without num_tokens_across_dp describes a single DP rank: "
+                    f"dp_rank must be 0 and local_sizes None, got {self.dp_rank} and {shards}"
+                )
+            return
+        if not 0 <= self.dp_rank < len(counts):
+            raise ValueError(
+                f"BatchLayout.dp_rank must be in [0, {len(counts)}) (DP ranks), got {self.dp_rank}"
+            )
+        if shards is None:
+            return
+        if len(shards) % len(counts):
+            raise ValueError(
+                f"BatchLayout.local_sizes must hold the same number of shards for each of the "
+                f"{len(counts)} DP ranks, got {len(shards)} sizes"
+            )
+        per_rank = len(shards) // len(counts)
+        for rank, tokens in enumerate(counts):
+            held = sum(shards[rank * per_rank : (rank + 1) * per_rank])
+            if held < tokens:
+                raise ValueError(
+                    f"BatchLayout.local_sizes give DP rank {rank} {held} rows for its {tokens} tokens"
+                )
+
+
+SINGLE_RANK = BatchLayout()
+
+
+@functools.lru_cache(maxsize=256)
+def _locate(rows: int, layout: BatchLayout) -> tuple[int, int, bool]:
+    """``(start, count, gather)``: this rank's tokens are rows ``[start, start + count)``
+    of ``topk_ids`` (after an all-gather across the TP group when ``gather``).
+
+    Every layer of a step sees the same ``(rows, layout)``, so this runs once a step.
+    """
+    counts = layout.num_tokens_across_dp
+    if counts is None:
+        return 0, rows, False
+    mine = counts[layout.dp_rank]
+    if rows == sum(counts):  # naive dispatch: every DP rank's tokens, concatenated
+        return sum(counts[: layout.dp_rank]), mine, False
+    if rows == mine:  # modular kernel: only this rank's tokens
+        return 0, mine, False
+    shards = layout.local_sizes
+    if shards is not None and rows == sum(shards):  # DP+EP dispatch of SP shards
+        per_rank = len(shards) // len(counts)
+        return sum(shards[: layout.dp_rank * per_rank]), mine, False
+    sp_rows = -(-mine // layout.tp_size)
+    if layout.tp_size > 1 and rows == sp_rows:  # sequence parallel: this TP rank's shard
+        return 0, mine, True
+    expected = [f"{sum(counts)} (all DP ranks' tokens)", f"{mine} (this DP rank's tokens)"]
+    if shards is not None:
+        expected.append(f"{sum(shards)} (gathered sequence-parallel shards)")
+    if layout.tp_size > 1:
+        expected.append(f"{sp_rows} (this TP rank's sequence-parallel shard)")
+    raise ValueError(
+        f"topk_ids has {rows} rows; for dp_rank={layout.dp_rank}, tp_size={layout.tp_size}, "
+        f"num_tokens_across_dp={list(counts)} expected " + ", ".join(expected)
+    )
+
+
+if triton is not None:
+
+    @triton.jit
+    def _check_and_narrow_kernel(src, dst, bad, numel, num_experts, BLOCK: tl.constexpr):
+        # One read of the int32 ids, one write in the storage dtype, and a count of ids
+        # outside [0, num_experts) added to *bad. Bounded by memory bandwidth.
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < numel
+        ids = tl.load(src + offsets, mask=inside, other=0)
+        tl.store(dst + offsets, ids.to(dst.dtype.element_ty), mask=inside)
+        count = tl.sum(((ids < 0) | (ids >= num_experts)).to(tl.int32), axis=0)
+        if count > 0:
+            tl.atomic_add(bad, count)
+
+
+_BLOCK = 4096
+
+
+def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, num_experts: int) -> None:
+    """Write ``src`` (int32 ids) into ``dst`` (storage dtype) and add the number of ids
+    outside ``[0, num_experts)`` to ``bad`` (one int32), on the current stream.
+
+    One fused pass where Triton is available, else a cast and a count in torch. Neither
+    reads anything back to the host. ``src`` and ``dst`` are contiguous and the same size.
+    """
+    numel = src.numel()
+    if triton is not None and src.is_cuda:
+        grid = (triton.cdiv(numel, _BLOCK),)
+        _check_and_narrow_kernel[grid](src, dst, bad, numel, num_experts, BLOCK=_BLOCK)
+        return
+    dst.copy_(src)
+    bad += torch.count_nonzero((src < 0) | (src >= num_experts)).to(torch.int32)
+
+
+class _Staging:
+    """One of the capturer's two snapshot buffers (CUDA only): the narrow copy and the
+    slot mapping on the device, their pinned host twins, and the events ordering them.
+
+    ``owner`` is the unresolved :class:`PendingSnapshot` whose data the host buffers
+    hold or will hold; a staging buffer is reused only once its owner is resolved.
+    """
+
+    __slots__ = ("narrow", "bad", "slots", "host_narrow", "host_bad", "host_slots", "ready", "copied", "owner")
+
+    def __init__(self, max_num_tokens: int, token_shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+        shape = (max_num_tokens, *token_shape)
+        self.narrow = torch.empty(shape, dtype=dtype, device=device)
+        self.bad = torch.zeros(1, dtype=torch.int32, device=device)
+        self.slots = torch.empty(max_num_tokens, dtype=torch.int64, device=device)
+        self.host_narrow = torch.empty(shape, dtype=dtype, pin_memory=True)
+        self.host_bad = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        self.host_slots = torch.empty(max_num_tokens, dtype=torch.int64, pin_memory=True)
+        self.ready = torch.cuda.Event()
+        self.copied = torch.cuda.Event()
+        self.owner: PendingSnapshot | None = None
+
+
+class PendingSnapshot:
+    """One step's routing on its way to the host; :meth:`result` waits for it.
+
+    Until resolved it may own one of the capturer's staging buffers; it is resolved by
+    the first :meth:`result` call, or by the capturer when that buffer is needed again
+    (see :meth:`RoutedExpertsCapturer.snapshot`). Once resolved it holds host memory
+    of its own, and :meth:`result` returns the same object (or raises the same error)
+    every time.
+    """
+
+    __slots__ = ("_stage", "_num_tokens", "_spec", "_host_slots", "_result", "_error")
+
+    def __init__(
+        self,
+        spec: RoutingSpec,
+        num_tokens: int,
+        stage: _Staging | None = None,
+        host_slots: np.ndarray | None = None,
+        result: RoutedExpertsLists | None = None,
+        error: Exception | None = None,
+    ):
+        self._spec = spec
+        self._num_tokens = num_tokens
+        self._stage = stage
+        self._host_slots = host_slots
+        self._result = result
+        self._error = error
+
+    def done(self) -> bool:
+        """Whether :meth:`result` would return without waiting. Never blocks."""
+        return self._stage is None or self._stage.copied.query()
+
+    def result(self) -> RoutedExpertsLists | None:
+        """Wait for the copy and return the step's routing.
+
+        Returns
+        -------
+        RoutedExpertsLists or None
+            ``routing_data`` of shape ``(num_tokens, num_layers, top_k)`` in the spec's
+            storage dtype and ``slot_mapping`` of shape ``(num_tokens,)``, both numpy
+            arrays this object owns (copies: no later step changes them). ``None`` on a
+            TP rank other than 0, which ships nothing.
+
+        Raises
+        ------
+        ValueError
+            If an expert id is outside ``[0, num_experts)``, including ``-1`` for a
+            (token, layer) that no ``capture()`` wrote since ``clear_buffer()``.
+        """
+        if self._stage is not None:
+            self._resolve()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _resolve(self) -> None:
+        stage, n = self._stage, self._num_tokens
+        stage.copied.synchronize()  # the only host wait of the pipeline
+        bad = int(stage.host_bad[0])
+        if bad:
+            self._error = _range_error(self._spec, n, bad)
+        else:
+            data = stage.host_narrow[:n].numpy().view(self._spec.storage_dtype).copy()
+            slots = stage.host_slots[:n].numpy().copy() if self._host_slots is None else self._host_slots
+            self._result = RoutedExpertsLists(routing_data=data, slot_mapping=slots)
+        stage.owner = None
+        self._stage = None
+
+
+def _range_error(spec: RoutingSpec, num_tokens: int, bad: int) -> ValueError:
+    return ValueError(
+        f"routing snapshot of {num_tokens} tokens holds {bad} expert id(s) outside "
+        f"[0, {spec.num_experts}) (num_experts); {NOT_CAPTURED} marks a (token, layer) "
+        "that no capture() wrote since clear_buffer()"
+    )
+
+
+class RoutedExpertsCapturer:
+    """A fixed int32 buffer ``(max_num_tokens, num_layers, top_k)`` on one device that
+    MoE layers write their ``topk_ids`` into, row ``i`` being this DP rank's ``i``-th
+    token of the current step.
+
+    The buffer is allocated once and never moves, so CUDA graphs may record
+    :meth:`capture`. Every rank of a TP group keeps an identical buffer and runs the
+    same kernels (every rank records the same graph); only TP rank 0 ships data.
+
+    Parameters
+    ----------
+    spec
+        Layers, top-k and expert count of the model.
+    max_num_tokens
+        The most tokens one step runs on this rank.
+    device
+        ``"cpu"`` or a CUDA device.
+    tp_group
+        The tensor-parallel process group: needed for sequence-parallel layouts, and
+        to know this rank's TP rank (0 without a group).
+
+    Raises
+    ------
+    ValueError
+        If ``max_num_tokens`` is not positive or the device is neither CPU nor CUDA.
+    """
+
+    def __init__(
+        self,
+        spec: RoutingSpec,
+        max_num_tokens: int,
+        device: torch.device | str,
+        tp_group: dist.ProcessGroup | None = None,
+    ):
+        if isinstance(max_num_tokens, bool) or int(max_num_tokens) != max_num_tokens or max_num_tokens <= 0:
+            raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        device = torch.device(device)
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or a CUDA device, got {device}")
+        self._spec = spec
+        self._max_num_tokens = int(max_num_tokens)
+        self._buffer = torch.full(
+            (self._max_num_tokens, *spec.token_shape), NOT_CAPTURED, dtype=torch.int32, device=device
+        )
+        self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
+        self._tp_group = tp_group
+        self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self._gather_into_tensor = tp_group is not None and dist.get_backend(tp_group) != "gloo"
+        self._copy_stream = None
+        self._stages: list[_Staging] = []
+        self._next_stage = 0
+        if self._device.type == "cuda" and self._tp_rank == 0:
+            narrow = _TORCH_STORAGE[spec.storage_dtype]
+            self._copy_stream = torch.cuda.Stream(self._device)
+            self._stages = [_Staging(self._max_num_tokens, spec.token_shape, narrow, self._device) for _ in range(2)]
+
+    @property
+    def spec(self) -> RoutingSpec:
+        """The routing spec the buffer is shaped for."""
+        return self._spec
+
+    @property
+    def max_num_tokens(self) -> int:
+        """Rows of the capture buffer: the most tokens one step may capture."""
+        return self._max_num_tokens
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the capture buffer (a CUDA device always carries its index)."""
+        return self._device
+
+    @property
+    def device_buffer(self) -> torch.Tensor:
+        """The int32 capture buffer itself (not a copy); same as :meth:`get_device_buffer`."""
+        return self._buffer
+
+    @property
+    def copy_stream(self) -> torch.cuda.Stream | None:
+        """The stream snapshots copy to the host on; ``None`` on CPU and on TP ranks > 0."""
+        return self._copy_stream
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's index in the TP group (0 without a group)."""
+        return self._tp_rank
+
+    @property
+    def is_rank0(self) -> bool:
+        """Whether this rank ships data: only TP rank 0 does."""
+        return self._tp_rank == 0
+
+    def get_device_buffer(self) -> torch.Tensor:
+        """Return the int32 capture buffer ``(max_num_tokens, num_layers, top_k)``.
+
+        A view of the capturer's own storage (not a copy): the next step overwrites it.
+        """
+        return self._buffer
+
+    def clear_buffer(self) -> None:
+        """Fill the capture buffer with ``NOT_CAPTURED`` (-1), on the current stream.
+
+        A snapshot of rows some layer did not write afterwards fails its range check,
+        so calling this before a step turns a missed capture into an error.
+        """
+        self._buffer.fill_(NOT_CAPTURED)
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> None:
+        """Write one MoE layer's routing of this rank's tokens into the buffer.
+
+        ``layout`` says where this rank's tokens sit in ``topk_ids`` (the four layouts of
+        :class:`BatchLayout`); for the sequence-parallel layout the shards are
+        all-gathered across the TP group first, a collective every TP rank must reach.
+        Writes on the current stream and never synchronises, so it may be recorded into
+        a CUDA graph. Expert ids are checked by :meth:`snapshot`, not here.
+
+        Raises
+        ------
+        IndexError
+            If ``layer_id`` is outside ``[0, num_layers)``.
+        ValueError
+            If ``topk_ids`` is not 2-D with ``top_k`` columns, not int32/int64, not on
+            the buffer's device, its row count fits no layout, or this rank's tokens
+            exceed ``max_num_tokens``. Nothing is written then.
+        """
+        # Bounded by one copy kernel launch (eager) or by Python overhead under a graph.
+        spec = self._spec
+        if not 0 <= layer_id < spec.num_layers:
+            raise IndexError(f"layer_id must be in [0, {spec.num_layers}) (num_layers), got {layer_id}")
+        if topk_ids.ndim != 2 or topk_ids.shape[1] != spec.top_k:
+            raise ValueError(
+                f"topk_ids must have shape (num_rows, {spec.top_k}) (top_k), got {tuple(topk_ids.shape)}"
+            )
+        if topk_ids.dtype not in _TOPK_DTYPES:
+            raise ValueError(f"topk_ids must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+        if topk_ids.device != self._device:
+            raise ValueError(f"topk_ids must be on {self._device} (the capture buffer's device), got {topk_ids.device}")
+        layout = SINGLE_RANK if layout is None else layout
+        start, count, gather = _locate(topk_ids.shape[0], layout)
+        if count > self._max_num_tokens:
+            raise ValueError(f"this rank has {count} tokens, more than max_num_tokens={self._max_num_tokens}")
+        if gather:
+            topk_ids = self._all_gather(topk_ids, layout.tp_size)
+        self._buffer[:count, layer_id].copy_(topk_ids[start : start + count])
+
+    def _all_gather(self, shard: torch.Tensor, tp_size: int) -> torch.Tensor:
+        if self._tp_group is None or self._tp_world != tp_size:
+            raise ValueError(
+                f"a sequence-parallel layout with tp_size={tp_size} needs a tp_group of that size, "
+                f"got {'no group' if self._tp_group is None else f'a group of {self._tp_world}'}"
+            )
+        shard = shard.contiguous()
+        gathered = shard.new_empty((tp_size * shard.shape[0], shard.shape[1]))
+        if self._gather_into_tensor:
+            dist.all_gather_into_tensor(gathered, shard, group=self._tp_group)
+        else:  # gloo has no all_gather_into_tensor; the chunks are views of `gathered`
+            dist.all_gather(list(gathered.chunk(tp_size)), shard, group=self._tp_group)
+        return gathered
+
+    def snapshot(self, num_tokens: int, slot_mapping: torch.Tensor | np.ndarray) -> PendingSnapshot:
+        """Start shipping the first ``num_tokens`` rows of the buffer and their KV slots.
+
+        On CUDA, enqueued on the current stream (the one that ran the forward), this
+        never waits for the device: one pass checks every id against
+        ``[0, num_experts)`` and casts it to the storage dtype into a device staging
+        buffer, a device ``slot_mapping`` is copied beside it, and a dedicated copy
+        stream moves both into pinned host memory once an event says they are ready.
+        The next step may then overwrite the capture buffer and ``slot_mapping`` at
+        once: the staging copies were taken before its kernels on the same stream. Two
+        staging buffers alternate; a snapshot that finds its buffer still owned by an
+        unresolved pending result (a third snapshot before the first's ``result()``)
+        resolves that one first, the only case in which this call waits for the device.
+
+        On CPU the work is done before returning; the API is the same.
+
+        Parameters
+        ----------
+        num_tokens
+            Rows of this step, ``0 <= num_tokens <= max_num_tokens``.
+        slot_mapping
+            The KV-cache slot of every row, shape ``(num_tokens,)``, integer: a numpy
+            array, a CPU tensor (both copied now) or a tensor on the buffer's device.
+
+        Returns
+        -------
+        PendingSnapshot
+            Its ``result()`` returns the data on TP rank 0 and ``None`` elsewhere.
+
+        Raises
+        ------
+        ValueError
+            If ``num_tokens`` or ``slot_mapping`` has the wrong type, shape, dtype or
+            device. Out-of-range expert ids are reported by ``result()``.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+        if not 0 <= num_tokens <= self._max_num_tokens:
+            raise ValueError(f"num_tokens must be in [0, {self._max_num_tokens}] (max_num_tokens), got {num_tokens}")
+        n = int(num_tokens)
+        on_device = isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu"
+        if isinstance(slot_mapping, torch.Tensor):
+            if on_device and slot_mapping.device != self._device:
+                raise ValueError(f"slot_mapping must be on cpu or {self._device}, got {slot_mapping.device}")
+            dtype_ok = not slot_mapping.dtype.is_floating_point and not slot_mapping.dtype.is_complex
+            dtype_ok = dtype_ok and slot_mapping.dtype != torch.bool
+            shape, dtype = tuple(slot_mapping.shape), slot_mapping.dtype
+        else:
+            slot_mapping = np.asarray(slot_mapping)
+            dtype_ok = slot_mapping.dtype.kind in "iu"
+            shape, dtype = slot_mapping.shape, slot_mapping.dtype
+        if shape != (n,) or not dtype_ok:
+            raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
+        if not self.is_rank0:
+            return PendingSnapshot(self._spec, n)
+        host_slots = None
+        if not on_device:
+            host_slots = np.array(slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor) else slot_mapping, dtype=np.int64)
+        if self._device.type == "cpu":
+            return self._snapshot_now(n, host_slots)
+        return self._snapshot_async(n, slot_mapping, host_slots)
+
+    def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
+        # Bounded by three passes over n * num_layers * top_k int32s in memory.
+        ids = self._buffer[:n].numpy()
+        num_experts = self._spec.num_experts
+        if n and (ids.min() < 0 or ids.max() >= num_experts):
+            bad = int(np.count_nonzero((ids < 0) | (ids >= num_experts)))
+            return PendingSnapshot(self._spec, n, error=_range_error(self._spec, n, bad))
+        data = ids.astype(self._spec.storage_dtype)
+        return PendingSnapshot(self._spec, n, result=RoutedExpertsLists(routing_data=data, slot_mapping=slots))
+
+    def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:
+        # Host cost: a handful of launches; device cost: one pass over the int32 rows
+        # (memory bandwidth) and a D2H of the narrow bytes (PCIe/NVLink-C2C bandwidth).
+        stage = self._stages[self._next_stage]
+        self._next_stage ^= 1
+        if stage.owner is not None:
+            stage.owner._resolve()  # NOTE 1: more snapshots in flight than staging buffers
+        with torch.cuda.device(self._device):
+            compute = torch.cuda.current_stream()
+            stage.bad.zero_()
+            if n:
+                check_and_narrow(self._buffer[:n], stage.narrow[:n], stage.bad, self._spec.num_experts)
+            if host_slots is None:
+                stage.slots[:n].copy_(slot_mapping)
+            stage.ready.record(compute)
+            # NOTE 2: everything the copy stream reads below is staging memory, written
+            # only by the kernels above; the capture buffer and the caller's slot_mapping
+            # are free for the next step as soon as those kernels ran on `compute`.
+            self._copy_stream.wait_event(stage.ready)
+            with torch.cuda.stream(self._copy_stream):
+                stage.host_narrow[:n].copy_(stage.narrow[:n], non_blocking=True)
+                stage.host_bad.copy_(stage.bad, non_blocking=True)
+                if host_slots is None:
+                    stage.host_slots[:n].copy_(stage.slots[:n], non_blocking=True)
+                stage.copied.record(self._copy_stream)
+        # NOTE 3: no device wait guards the staging memory against the next snapshot
+        # that uses it: that happens only after this pending result is resolved, and
+        # resolving waits for `copied`, so the copies out of it are complete.
+        pending = PendingSnapshot(self._spec, n, stage=stage, host_slots=host_slots)
+        stage.owner = pending
+        return pending

@@ -1,0 +1,344 @@
+"""RoutedExpertsCapturer on CPU: layouts, errors and the synchronous snapshot."""
+
+import os
+import subprocess
+import sys
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, check_and_narrow
+from slotroute.spec import RoutingSpec
+from slotroute.wire import RoutedExpertsLists
+
+SPEC = RoutingSpec(num_layers=3, top_k=2, num_experts=16)
+MAX_TOKENS = 32
+
+
+def routing(rng, num_tokens, spec=SPEC):
+    """Random routing ``(num_tokens, num_layers, top_k)`` as int64, the reference."""
+    return rng.integers(0, spec.num_experts, size=(num_tokens, *spec.token_shape), dtype=np.int64)
+
+
+def capture_all(cap, rows_by_layer, layout=None, dtype=torch.int32):
+    """Feed every layer: ``rows_by_layer`` is ``(rows, num_layers, top_k)``."""
+    for layer in range(rows_by_layer.shape[1]):
+        cap.capture(layer, torch.from_numpy(np.ascontiguousarray(rows_by_layer[:, layer])).to(dtype), layout)
+
+
+def captured(cap, num_tokens):
+    return cap.get_device_buffer()[:num_tokens].numpy()
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+@pytest.fixture
+def cap():
+    return RoutedExpertsCapturer(SPEC, max_num_tokens=MAX_TOKENS, device="cpu")
+
+
+# --- the buffer -------------------------------------------------------------------
+
+
+def test_buffer_is_int32_of_max_tokens_by_layers_by_top_k(cap):
+    buf = cap.get_device_buffer()
+    assert buf.dtype == torch.int32
+    assert tuple(buf.shape) == (MAX_TOKENS, SPEC.num_layers, SPEC.top_k)
+    assert cap.device_buffer is buf
+
+
+def test_buffer_never_moves(cap, rng):
+    address = cap.get_device_buffer().data_ptr()
+    capture_all(cap, routing(rng, 5))
+    cap.snapshot(5, np.arange(5)).result()
+    cap.clear_buffer()
+    assert cap.get_device_buffer().data_ptr() == address
+
+
+def test_new_and_cleared_buffers_mark_every_row_not_captured(cap, rng):
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+    capture_all(cap, routing(rng, 7))
+    cap.clear_buffer()
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+def test_single_rank_is_tp_rank_0_and_ships_data(cap):
+    assert cap.tp_rank == 0 and cap.is_rank0
+    assert cap.copy_stream is None
+
+
+# --- layouts ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_single_rank_layout_takes_every_row(cap, rng, dtype):
+    ref = routing(rng, 9)
+    capture_all(cap, ref, dtype=dtype)
+    np.testing.assert_array_equal(captured(cap, 9), ref)
+
+
+def test_capture_writes_only_its_layer_and_rows(cap, rng):
+    ref = routing(rng, 6)
+    cap.capture(1, torch.from_numpy(ref[:, 1]))
+    buf = captured(cap, MAX_TOKENS)
+    np.testing.assert_array_equal(buf[:6, 1], ref[:, 1])
+    assert (buf[:, [0, 2]] == NOT_CAPTURED).all()
+    assert (buf[6:] == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1, 2])
+def test_naive_dispatch_takes_this_dp_ranks_span(cap, rng, dp_rank):
+    counts = (4, 7, 5)
+    everyone = routing(rng, sum(counts))
+    capture_all(cap, everyone, BatchLayout(num_tokens_across_dp=counts, dp_rank=dp_rank))
+    start = sum(counts[:dp_rank])
+    np.testing.assert_array_equal(captured(cap, counts[dp_rank]), everyone[start : start + counts[dp_rank]])
+    assert (captured(cap, MAX_TOKENS)[counts[dp_rank] :] == NOT_CAPTURED).all()
+
+
+def test_modular_kernel_layout_takes_every_row_of_this_dp_rank(cap, rng):
+    mine = routing(rng, 7)
+    capture_all(cap, mine, BatchLayout(num_tokens_across_dp=(4, 7, 5), dp_rank=1))
+    np.testing.assert_array_equal(captured(cap, 7), mine)
+
+
+@pytest.mark.parametrize("dp_rank", [0, 1])
+def test_gathered_sequence_parallel_shards_keep_this_dp_ranks_tokens_without_padding(cap, rng, dp_rank):
+    # DP=2, TP=2: DP rank 0 has 5 tokens in shards of 3 + 3 (one padding row), DP rank 1
+    # has 4 tokens in shards of 2 + 2; the dispatch gathered them DP-major, TP-minor.
+    counts, local_sizes = (5, 4), (3, 3, 2, 2)
+    tokens = [routing(rng, c) for c in counts]
+    shards = []
+    for rank_tokens, (a, b) in zip(tokens, [(3, 3), (2, 2)]):
+        padded = np.concatenate([rank_tokens, routing(rng, a + b - len(rank_tokens))])
+        shards.append(padded)
+    gathered = np.concatenate(shards)
+    layout = BatchLayout(num_tokens_across_dp=counts, dp_rank=dp_rank, tp_size=2, local_sizes=local_sizes)
+    capture_all(cap, gathered, layout)
+    np.testing.assert_array_equal(captured(cap, counts[dp_rank]), tokens[dp_rank])
+    assert (captured(cap, MAX_TOKENS)[counts[dp_rank] :] == NOT_CAPTURED).all()
+
+
+def test_sequence_parallel_shard_without_tp_group_is_refused(cap, rng):
+    layout = BatchLayout(num_tokens_across_dp=(7,), dp_rank=0, tp_size=2)
+    with pytest.raises(ValueError, match="tp_group"):
+        cap.capture(0, torch.from_numpy(routing(rng, 4)[:, 0]), layout)
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+def test_unexpected_row_count_names_every_size_expected(cap, rng):
+    layout = BatchLayout(num_tokens_across_dp=(5, 4), dp_rank=1, tp_size=2, local_sizes=(3, 3, 2, 2))
+    with pytest.raises(ValueError) as info:
+        cap.capture(0, torch.from_numpy(routing(rng, 6)[:, 0]), layout)
+    message = str(info.value)
+    for expected in ("6 rows", "9 (all DP ranks", "4 (this DP rank", "10 (gathered", "2 (this TP rank"):
+        assert expected in message
+
+
+# --- capture errors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer_id", [-1, SPEC.num_layers])
+def test_layer_out_of_range_raises_index_error(cap, rng, layer_id):
+    with pytest.raises(IndexError, match=rf"\[0, {SPEC.num_layers}\)"):
+        cap.capture(layer_id, torch.from_numpy(routing(rng, 3)[:, 0]))
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize("shape", [(3, SPEC.top_k + 1), (3,), (3, 1, SPEC.top_k)])
+def test_topk_ids_of_the_wrong_shape_raise_value_error(cap, shape):
+    with pytest.raises(ValueError, match=rf"\(num_rows, {SPEC.top_k}\)"):
+        cap.capture(0, torch.zeros(shape, dtype=torch.int32))
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.int16])
+def test_topk_ids_of_another_dtype_raise_value_error(cap, dtype):
+    with pytest.raises(ValueError, match="int32 or torch.int64"):
+        cap.capture(0, torch.zeros((3, SPEC.top_k), dtype=dtype))
+
+
+def test_more_tokens_than_max_num_tokens_raise_value_error(cap):
+    with pytest.raises(ValueError, match=f"max_num_tokens={MAX_TOKENS}"):
+        cap.capture(0, torch.zeros((MAX_TOKENS + 1, SPEC.top_k), dtype=torch.int32))
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize("max_num_tokens", [0, -4, 2.5, True])
+def test_capturer_refuses_a_non_positive_max_num_tokens(max_num_tokens):
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        RoutedExpertsCapturer(SPEC, max_num_tokens=max_num_tokens, device="cpu")
+
+
+def test_capturer_refuses_a_device_other_than_cpu_or_cuda():
+    with pytest.raises(ValueError, match="'cpu' or a CUDA device"):
+        RoutedExpertsCapturer(SPEC, max_num_tokens=4, device="meta")
+
+
+# --- BatchLayout ------------------------------------------------------------------
+
+
+def test_layout_default_is_a_single_rank():
+    layout = BatchLayout()
+    assert (layout.num_tokens_across_dp, layout.dp_rank, layout.tp_size, layout.local_sizes) == (None, 0, 1, None)
+
+
+def test_layout_keeps_counts_as_tuples_of_ints():
+    layout = BatchLayout(num_tokens_across_dp=np.array([3, 4]), dp_rank=1, tp_size=2, local_sizes=[2, 2, 2, 2])
+    assert layout.num_tokens_across_dp == (3, 4) and layout.local_sizes == (2, 2, 2, 2)
+    assert hash(layout) == hash(BatchLayout((3, 4), 1, 2, (2, 2, 2, 2)))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_tokens_across_dp": (3, 4), "dp_rank": 2}, r"dp_rank must be in \[0, 2\)"),
+        ({"num_tokens_across_dp": (3, -1)}, "counts >= 0"),
+        ({"num_tokens_across_dp": ()}, "non-empty"),
+        ({"tp_size": 0}, "tp_size must be >= 1"),
+        ({"dp_rank": 1}, "single DP rank"),
+        ({"local_sizes": (2, 2)}, "single DP rank"),
+        ({"num_tokens_across_dp": (3, 4), "local_sizes": (2, 2, 2)}, "same number of shards"),
+        ({"num_tokens_across_dp": (3, 4), "local_sizes": (2, 2, 2, 1)}, "DP rank 1 3 rows for its 4 tokens"),
+    ],
+)
+def test_layout_refuses_inconsistent_counts(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BatchLayout(**kwargs)
+
+
+# --- snapshot -----------------------------------------------------------------------
+
+
+def test_snapshot_returns_the_captured_rows_in_the_storage_dtype(cap, rng):
+    ref = routing(rng, 11)
+    slots = rng.permutation(100)[:11]
+    capture_all(cap, ref)
+    lists = cap.snapshot(11, slots).result()
+    assert isinstance(lists, RoutedExpertsLists)
+    assert lists.routing_data.dtype == np.uint8
+    np.testing.assert_array_equal(lists.routing_data, ref)
+    np.testing.assert_array_equal(lists.slot_mapping, slots)
+
+
+def test_snapshot_uses_uint16_above_256_experts(rng):
+    spec = RoutingSpec(num_layers=2, top_k=3, num_experts=300)
+    cap = RoutedExpertsCapturer(spec, max_num_tokens=8, device="cpu")
+    ref = routing(rng, 8, spec)
+    ref[0, 0, 0] = 299
+    capture_all(cap, ref)
+    lists = cap.snapshot(8, np.arange(8)).result()
+    assert lists.routing_data.dtype == np.uint16
+    np.testing.assert_array_equal(lists.routing_data, ref)
+
+
+def test_snapshot_result_is_not_changed_by_the_next_step(cap, rng):
+    first, second = routing(rng, 9), routing(rng, 9)
+    slots = torch.arange(9)
+    capture_all(cap, first)
+    pending = cap.snapshot(9, slots)
+    capture_all(cap, second)
+    slots += 50
+    lists = pending.result()
+    np.testing.assert_array_equal(lists.routing_data, first)
+    np.testing.assert_array_equal(lists.slot_mapping, np.arange(9))
+    np.testing.assert_array_equal(cap.snapshot(9, slots).result().routing_data, second)
+
+
+def test_snapshot_result_is_the_same_object_every_time(cap, rng):
+    capture_all(cap, routing(rng, 4))
+    pending = cap.snapshot(4, np.arange(4))
+    assert pending.done()
+    assert pending.result() is pending.result()
+
+
+def test_snapshot_of_zero_tokens_is_empty(cap):
+    lists = cap.snapshot(0, np.zeros(0, dtype=np.int64)).result()
+    assert lists.routing_data.shape == (0, *SPEC.token_shape)
+    assert lists.slot_mapping.shape == (0,)
+
+
+@pytest.mark.parametrize("bad_id", [SPEC.num_experts, SPEC.num_experts + 200, -5])
+def test_expert_id_out_of_range_raises_from_result(cap, rng, bad_id):
+    ref = routing(rng, 5)
+    ref[3, 2, 1] = bad_id
+    capture_all(cap, ref)
+    pending = cap.snapshot(5, np.arange(5))
+    with pytest.raises(ValueError, match=rf"1 expert id\(s\) outside \[0, {SPEC.num_experts}\)"):
+        pending.result()
+    with pytest.raises(ValueError):
+        pending.result()
+
+
+def test_rows_a_layer_did_not_capture_raise_from_result(cap, rng):
+    ref = routing(rng, 6)
+    capture_all(cap, ref)
+    cap.clear_buffer()
+    capture_all(cap, ref[:, :2])  # the last layer never runs this step
+    with pytest.raises(ValueError, match=rf"{6 * SPEC.top_k} expert id.*no capture\(\) wrote"):
+        cap.snapshot(6, np.arange(6)).result()
+
+
+@pytest.mark.parametrize("num_tokens", [-1, MAX_TOKENS + 1])
+def test_snapshot_refuses_num_tokens_beyond_the_buffer(cap, num_tokens):
+    with pytest.raises(ValueError, match=rf"\[0, {MAX_TOKENS}\]"):
+        cap.snapshot(num_tokens, np.zeros(max(num_tokens, 0), dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "slot_mapping",
+    [np.arange(4), np.arange(6), np.zeros((5, 1), dtype=np.int64), np.zeros(5), torch.zeros(5), torch.zeros(5, dtype=torch.bool)],
+    ids=["short", "long", "2-D", "float", "float-tensor", "bool-tensor"],
+)
+def test_snapshot_refuses_a_slot_mapping_of_the_wrong_shape_or_dtype(cap, slot_mapping):
+    with pytest.raises(ValueError, match=r"slot_mapping must be integers of shape \(5,\)"):
+        cap.snapshot(5, slot_mapping)
+
+
+def test_snapshot_refuses_a_bool_num_tokens(cap):
+    with pytest.raises(ValueError, match="num_tokens must be an int"):
+        cap.snapshot(True, np.zeros(1, dtype=np.int64))
+
+
+# --- the fused kernel ---------------------------------------------------------------
+
+
+def test_check_and_narrow_casts_and_counts_out_of_range_ids():
+    src = torch.tensor([[0, 15], [16, -1], [3, 255]], dtype=torch.int32)
+    dst = torch.empty(src.shape, dtype=torch.uint8)
+    bad = torch.zeros(1, dtype=torch.int32)
+    check_and_narrow(src, dst, bad, num_experts=16)
+    assert bad.item() == 3
+    np.testing.assert_array_equal(dst[src >= 0].numpy(), src[src >= 0].numpy().astype(np.uint8))
+
+
+FUSED_KERNEL_CHECK = """
+import numpy as np, torch
+from slotroute import capture
+assert capture.triton is not None
+rng = np.random.default_rng(7)
+for num_experts, dtype in ((256, torch.uint8), (300, torch.int16)):
+    ids = rng.integers(0, num_experts, size=10_000, dtype=np.int32)
+    ids[[5, 4097, 9999]] = [num_experts, -1, 70_000]
+    src = torch.from_numpy(ids)
+    dst = torch.empty(src.shape, dtype=dtype)
+    bad = torch.full((1,), 2, dtype=torch.int32)
+    grid = (capture.triton.cdiv(src.numel(), 4096),)
+    capture._check_and_narrow_kernel[grid](src, dst, bad, src.numel(), num_experts, BLOCK=4096)
+    assert bad.item() == 2 + 3, bad.item()
+    ok = (ids >= 0) & (ids < num_experts)
+    np.testing.assert_array_equal(dst.numpy().view(np.uint8 if num_experts <= 256 else np.uint16)[ok], ids[ok])
+print("fused kernel ok")
+"""
+
+
+def test_fused_kernel_casts_and_counts_like_the_reference_in_the_triton_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", FUSED_KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "fused kernel ok" in out.stdout
