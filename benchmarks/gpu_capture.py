@@ -1,0 +1,227 @@
+"""Worker-side capture on a CUDA device, DeepSeek-V3 shape (61 MoE layers, top-8, 256 experts).
+
+For each step size n it measures, as medians of CUDA-event-timed runs:
+
+- capture: the 61 ``capture()`` calls of one step recorded in a CUDA graph and replayed
+  (per layer), and the wall time of the same calls run eagerly (launch-bound, for reference);
+- snapshot: range check + cast to uint8 + D2H into pinned memory, from the event before
+  ``snapshot()`` on the compute stream to the event after the copy on the copy stream,
+  for the fused Triton pass and the torch fallback;
+- baselines: D2H of the int32 rows (what vLLM ships), ``.to(uint8)`` + D2H (the cast
+  without the check), and a D2H of the narrow bytes alone (the memcpy floor);
+- host side: the ``snapshot()`` call itself and ``result()`` after the copy finished.
+
+It also checks that ``snapshot()`` never synchronises with the device: under
+``torch.cuda.set_sync_debug_mode("error")``, and by queueing it behind a long kernel.
+
+    python benchmarks/gpu_capture.py --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from slotroute import capture
+from slotroute.capture import RoutedExpertsCapturer
+from slotroute.spec import RoutingSpec
+
+SPEC = RoutingSpec(num_layers=61, top_k=8, num_experts=256)
+SIZES = (64, 256, 2048, 8192)
+
+
+# Queued before each timed region so that the host has enqueued all of the region's
+# work before its start event fires: the timings are device time, not launch latency.
+BUSY_CYCLES = 2_000_000
+
+
+def event_median_us(fn, repeat: int, warmup: int = 5, end_stream: torch.cuda.Stream | None = None, after=None) -> float:
+    """Median over ``repeat`` runs of the device time between an event recorded before
+    ``fn()`` on the current stream and one after it on ``end_stream`` (default: current).
+    ``after(value of fn())`` runs untimed once the end event completed."""
+    times = []
+    for i in range(warmup + repeat):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(BUSY_CYCLES)
+        start.record()
+        value = fn()
+        end.record(end_stream or torch.cuda.current_stream())
+        end.synchronize()
+        if after is not None:
+            after(value)
+        if i >= warmup:
+            times.append(start.elapsed_time(end) * 1000.0)
+    return statistics.median(times)
+
+
+def host_median_us(fn, repeat: int, after=None, before=None) -> float:
+    """Median host wall time of ``fn()`` with the device idle; ``before()`` and
+    ``after(value of fn())`` run untimed."""
+    times = []
+    for _ in range(repeat):
+        arg = before() if before is not None else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        value = fn() if before is None else fn(arg)
+        times.append((time.perf_counter() - t0) * 1e6)
+        if after is not None:
+            after(value)
+    return statistics.median(times)
+
+
+def capture_costs(cap: RoutedExpertsCapturer, topk: list[torch.Tensor], repeat: int) -> dict:
+    def step():
+        for layer, ids in enumerate(topk):
+            cap.capture(layer, ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    replay = event_median_us(graph.replay, repeat)
+    eager = host_median_us(lambda: (step(), torch.cuda.synchronize()), max(repeat // 4, 10))
+    return {"graph_all_layers_us": replay, "graph_per_layer_us": replay / SPEC.num_layers, "eager_all_layers_wall_us": eager}
+
+
+def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repeat: int) -> dict:
+    def snap():
+        return cap.snapshot(n, slots)
+
+    def resolve(pending):
+        pending.result()
+
+    return {
+        "device_us": event_median_us(snap, repeat, end_stream=cap.copy_stream, after=resolve),
+        "host_call_us": host_median_us(snap, repeat, after=resolve),
+        "result_host_us": host_median_us(resolve, repeat, before=snap),
+    }
+
+
+def baselines(buffer: torch.Tensor, n: int, repeat: int) -> dict:
+    rows = buffer[:n]
+    host32 = torch.empty(rows.shape, dtype=torch.int32, pin_memory=True)
+    host8 = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+    dev8 = rows.to(torch.uint8)
+    return {
+        "int32_d2h_us": event_median_us(lambda: host32.copy_(rows, non_blocking=True), repeat),
+        "cast_then_d2h_us": event_median_us(lambda: host8.copy_(rows.to(torch.uint8), non_blocking=True), repeat),
+        "narrow_memcpy_us": event_median_us(lambda: host8.copy_(dev8, non_blocking=True), repeat),
+    }
+
+
+def no_host_sync(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor) -> dict:
+    """``snapshot()`` must neither trip torch's sync detector nor wait for queued work."""
+    cap.snapshot(n, slots).result()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = cap.snapshot(n, slots)
+        detector = "passed"
+    except RuntimeError as exc:
+        pending, detector = None, f"FAILED: {exc}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    if pending is not None:
+        pending.result()
+    busy_start, busy_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    busy_start.record()
+    torch.cuda._sleep(100_000_000)
+    busy_end.record()
+    t0 = time.perf_counter()
+    pending = cap.snapshot(n, slots)
+    call_us = (time.perf_counter() - t0) * 1e6
+    pending_while_busy = not pending.done()
+    pending.result()
+    return {
+        "sync_debug_mode_error": detector,
+        "snapshot_call_behind_busy_stream_us": call_us,
+        "busy_kernel_us": busy_start.elapsed_time(busy_end) * 1000.0,
+        "pending_while_stream_busy": pending_while_busy,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the full results as JSON here")
+    parser.add_argument("--repeat", type=int, default=200, help="timed runs per median")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+    meta = {
+        "device": props.name,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": getattr(capture.triton, "__version__", None),
+        "spec": {"num_layers": SPEC.num_layers, "top_k": SPEC.top_k, "num_experts": SPEC.num_experts},
+    }
+    print(f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, triton {meta['triton']}", flush=True)
+    rows = []
+    cap = RoutedExpertsCapturer(SPEC, max_num_tokens=max(SIZES), device="cuda")
+    for n in SIZES:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        ids = torch.randint(0, SPEC.num_experts, (n, *SPEC.token_shape), generator=gen, device="cuda", dtype=torch.int32)
+        topk = [ids[:, layer].contiguous() for layer in range(SPEC.num_layers)]
+        slots = torch.randperm(16 * n, device="cuda")[:n]
+        row = {"n": n, **capture_costs(cap, topk, args.repeat)}
+        assert torch.equal(cap.get_device_buffer()[:n], ids)
+        row.update(baselines(cap.get_device_buffer(), n, args.repeat))
+        fused = snapshot_costs(cap, n, slots, args.repeat)
+        row.update({f"snapshot_{k}": v for k, v in fused.items()})
+        real_triton = capture.triton
+        capture.triton = None
+        try:
+            row["snapshot_torch_fallback_device_us"] = snapshot_costs(cap, n, slots, args.repeat // 2)["device_us"]
+        finally:
+            capture.triton = real_triton
+        lists = cap.snapshot(n, slots).result()
+        assert np.array_equal(lists.routing_data, ids.cpu().numpy().astype(np.uint8))
+        assert np.array_equal(lists.slot_mapping, slots.cpu().numpy())
+        row["snapshot_vs_int32_d2h"] = row["snapshot_device_us"] / row["int32_d2h_us"]
+        row["snapshot_vs_narrow_memcpy"] = row["snapshot_device_us"] / row["narrow_memcpy_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    sync = no_host_sync(cap, max(SIZES), slots)
+    print(json.dumps(sync), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "no_host_sync": sync}, f, indent=2)
+
+    print(f"\n{meta['device']}: DeepSeek-V3 shape, medians of {args.repeat} CUDA-event-timed runs (us)")
+    header = (
+        f"{'n':>5} {'cap/layer':>9} {'eager wall':>9} {'snapshot':>9} {'torch 2op':>9} {'int32 D2H':>9} "
+        f"{'cast+D2H':>9} {'u8 memcpy':>9} {'vs int32':>8} {'vs memcpy':>9} {'snap host':>9} {'result':>8}"
+    )
+    print(header)
+    for r in rows:
+        print(
+            f"{r['n']:>5} {r['graph_per_layer_us']:>9.2f} {r['eager_all_layers_wall_us']:>9.1f} "
+            f"{r['snapshot_device_us']:>9.1f} {r['snapshot_torch_fallback_device_us']:>9.1f} {r['int32_d2h_us']:>9.1f} "
+            f"{r['cast_then_d2h_us']:>9.1f} {r['narrow_memcpy_us']:>9.1f} {r['snapshot_vs_int32_d2h']:>8.2f} "
+            f"{r['snapshot_vs_narrow_memcpy']:>9.2f} {r['snapshot_host_call_us']:>9.1f} {r['snapshot_result_host_us']:>8.1f}"
+        )
+    big = rows[-1]
+    print(
+        f"targets at n={big['n']}: snapshot/int32 D2H = {big['snapshot_vs_int32_d2h']:.2f} (<= 0.40), "
+        f"capture = {max(r['graph_per_layer_us'] for r in rows):.2f} us/layer at worst (<= 2.00); "
+        f"no host sync: detector {sync['sync_debug_mode_error']}, "
+        f"snapshot() returned in {sync['snapshot_call_behind_busy_stream_us']:.0f} us behind a "
+        f"{sync['busy_kernel_us'] / 1000:.0f} ms kernel, pending meanwhile: {sync['pending_while_stream_busy']}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
