@@ -183,7 +183,7 @@ def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, nu
         _check_and_narrow_kernel[grid](src, dst, bad, numel, num_experts, BLOCK=_BLOCK)
         return
     dst.copy_(src)
-    bad += torch.count_nonzero((src < 0) | (src >= num_experts)).to(torch.int32)
+    bad += ((src < 0) | (src >= num_experts)).sum(dtype=torch.int32)
 
 
 class _Staging:
