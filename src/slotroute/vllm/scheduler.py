@@ -1,0 +1,267 @@
+"""Scheduler side: vLLM's scheduler keeps routing in slotroute's store.
+
+vLLM 0.29-0.30 already call a routed-experts manager from the scheduler
+(``vllm/v1/core/sched/scheduler.py``): ``store_batch`` once per step in
+``update_from_output``, then ``get`` of the whole prompt when a request's prefill
+completes. slotroute puts :class:`SchedulerRouting` in that place and adds what vLLM
+lacks: KV blocks handed out for new data are invalidated, so a read of routing that
+was not stored for the reader's tokens raises instead of returning zeros, and a
+request hit by such a read finishes with an error.
+
+Invalidation follows the order of the data, not of scheduling (NOTE 1 in
+:class:`SchedulerRouting`); ``docs/vllm.md`` gives the full argument, including
+async scheduling and prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+import numpy as np
+
+from slotroute.spec import MissingRoutingError, RoutingSpec
+from slotroute.store import RoutedExpertsManager
+from slotroute.vllm.patches import Patch
+
+__all__ = ["SchedulerRouting", "scheduler_patches"]
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+# Attribute names slotroute sets on vLLM objects it does not own.
+_STEP_ATTR = "_slotroute_step"
+_WATCHER_ATTR = "_slotroute_on_new_blocks"
+
+
+def routing_spec(vllm_config) -> RoutingSpec:
+    """The spec vLLM's own capturer would use: ``num_layers`` counts every decoder
+    layer, as vLLM 0.29-0.30 number them (dense layers included)."""
+    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import _get_routed_experts_shape
+
+    num_layers, num_experts, top_k = _get_routed_experts_shape(vllm_config)
+    return RoutingSpec(num_layers=num_layers, top_k=top_k, num_experts=num_experts)
+
+
+class SchedulerRouting:
+    """The scheduler's routed-experts manager: vLLM's interface over a slotroute
+    :class:`~slotroute.store.RoutedExpertsManager` sized to the whole KV block pool.
+
+    Invariant: when ``update_from_output`` of step ``s`` reads a slot, the slot holds
+    the routing of the token whose KV the slot held when step ``s`` ran, or the read
+    raises :class:`MissingRoutingError`. ``get`` never raises into vLLM: a missing read
+    is recorded and the request finished with an error by :meth:`finish_missing`.
+
+    NOTE 1: a block handed out by ``BlockPool.get_new_blocks`` during ``schedule()``
+    of step ``s`` is invalidated at the start of ``update_from_output`` of step ``s``,
+    just before that step's routing is stored. Earlier outputs (async scheduling keeps
+    one step in flight) still belong to the block's previous owner and are stored and
+    read as such; the new owner's tokens are written by step ``s`` or later.
+
+    Parameters
+    ----------
+    vllm_config, kv_cache_config
+        As vLLM passes them to its own ``RoutedExpertsManager``.
+    """
+
+    def __init__(self, vllm_config, kv_cache_config) -> None:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import get_routed_experts_attn_gid
+
+        self.attn_gid = get_routed_experts_attn_gid(kv_cache_config)
+        block_size = kv_cache_config.kv_cache_groups[self.attn_gid].kv_cache_spec.block_size
+        self.store = RoutedExpertsManager(
+            routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
+        )
+        self.block_size = block_size
+        self._step = 0
+        # Block ids handed out since the last schedule() returned.
+        self._allocated: list[int] = []
+        # (step, block ids) to invalidate when that step's output arrives, oldest first.
+        self._pending: deque[tuple[int, np.ndarray]] = deque()
+        # (marker returned by get, the error) for reads that failed in this output.
+        self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
+        logger.info("slotroute: scheduler keeps routing in %r", self.store)
+
+    @property
+    def routed_experts_by_slot(self) -> np.ndarray:
+        """The store's slot buffer: a read-only view (vLLM reads only its dtype)."""
+        return self.store.routed_experts_by_slot
+
+    # -- vLLM's interface ---------------------------------------------------------
+
+    def store_batch(self, data: np.ndarray, slot_mapping: np.ndarray) -> None:
+        """Store one step's routing (see ``RoutedExpertsManager.store_batch``).
+
+        Raises
+        ------
+        ValueError, IndexError
+            As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
+        """
+        self.store.store_batch(data, slot_mapping)
+
+    def get(self, block_ids, num_tokens: int, token_start: int = 0) -> np.ndarray:
+        """Routing of a request's tokens ``token_start .. num_tokens - 1`` (a copy).
+
+        If some of them has no stored routing, returns an empty marker array instead
+        and records the error; :meth:`finish_missing` then fails the request.
+
+        Raises
+        ------
+        ValueError, IndexError
+            As ``RoutedExpertsManager.get`` for malformed arguments (a vLLM bug).
+        """
+        try:
+            return self.store.get(block_ids, num_tokens, token_start)
+        except MissingRoutingError as error:
+            marker = np.empty((0, *self.store.spec.token_shape), dtype=self.store.spec.storage_dtype)
+            self._missing.append((marker, error))
+            return marker
+
+    # -- step ordering (NOTE 1) ---------------------------------------------------
+
+    def on_new_blocks(self, blocks: Iterable) -> None:
+        """Record blocks ``BlockPool.get_new_blocks`` hands out for new data."""
+        self._allocated.extend(block.block_id for block in blocks)
+
+    def seal_step(self, scheduler_output) -> None:
+        """Tag a step scheduled just now and queue its block invalidations."""
+        self._step += 1
+        setattr(scheduler_output, _STEP_ATTR, self._step)
+        if self._allocated:
+            self._pending.append((self._step, np.array(self._allocated, dtype=np.int64)))
+            self._allocated = []
+
+    def before_output(self, scheduler_output) -> None:
+        """Apply the invalidations of every step up to this output's, oldest first.
+
+        An output with no tag (not seen by ``seal_step``) applies all of them: early
+        invalidation can only turn a read into an error, never into stale data.
+        """
+        step = getattr(scheduler_output, _STEP_ATTR, self._step)
+        while self._pending and self._pending[0][0] <= step:
+            self.store.invalidate_blocks(self._pending.popleft()[1])
+
+    def finish_missing(self, scheduler, outputs: dict) -> None:
+        """Fail every request whose routing read missed in this output.
+
+        Its output loses the marker and gets ``finish_reason=ERROR`` (the OpenAI server
+        answers 500); a request still running is finished with ``FINISHED_ERROR``.
+        """
+        if not self._missing:
+            return
+        from vllm.v1.engine import FinishReason
+        from vllm.v1.request import RequestStatus
+
+        errors = {id(marker): error for marker, error in self._missing}
+        self._missing = []
+        for engine_outputs in outputs.values():
+            for output in engine_outputs.outputs:
+                error = errors.get(id(output.routed_experts))
+                if error is None:
+                    continue
+                logger.error("slotroute: request %s failed: %s", output.request_id, error)
+                output.routed_experts = None
+                output.finish_reason = FinishReason.ERROR
+                scheduler.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
+
+
+    @staticmethod
+    def forget_gone_requests(scheduler) -> None:
+        """Drop block-id snapshots of requests the scheduler no longer holds.
+
+        vLLM pops a request's ``_re_block_ids`` entry only when the request emits
+        tokens, so one aborted (or finished with a step in flight) keeps its entry
+        forever. Bounded by the entries left, about one per running request.
+        """
+        snapshots = scheduler._re_block_ids
+        gone = [req_id for req_id in snapshots if req_id not in scheduler.requests]
+        for req_id in gone:
+            del snapshots[req_id]
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_manager(original):
+    """Replaces ``RoutedExpertsManager`` as named in ``vllm/v1/core/sched/scheduler.py``
+    (``Scheduler.__init__`` builds it from ``(vllm_config, kv_cache_config)``)."""
+    return SchedulerRouting
+
+
+def _make_get_new_blocks(original):
+    """Wraps ``vllm/v1/core/block_pool.py`` ``BlockPool.get_new_blocks``: the one
+    place a free block is handed out for new data (dropping its cached hash)."""
+
+    def get_new_blocks(self, num_blocks):
+        blocks = original(self, num_blocks)
+        watcher = self.__dict__.get(_WATCHER_ATTR)
+        if watcher is not None:
+            watcher(blocks)
+        return blocks
+
+    return get_new_blocks
+
+
+def _make_scheduler_init(original):
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: connects the
+    routing manager to the scheduler's block pool."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        routing = getattr(self, "routed_experts_mgr", None)
+        if self.enable_return_routed_experts and isinstance(routing, SchedulerRouting):
+            setattr(self.kv_cache_manager.block_pool, _WATCHER_ATTR, routing.on_new_blocks)
+
+    return __init__
+
+
+def _make_schedule(original):
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``: tags each
+    step so its block invalidations apply when its output arrives."""
+
+    def schedule(self, *args, **kwargs):
+        scheduler_output = original(self, *args, **kwargs)
+        routing = getattr(self, "routed_experts_mgr", None)
+        if isinstance(routing, SchedulerRouting):
+            routing.seal_step(scheduler_output)
+        return scheduler_output
+
+    return schedule
+
+
+def _make_update_from_output(original):
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``:
+    invalidates before the step's ``store_batch``, fails requests whose read missed."""
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        routing = getattr(self, "routed_experts_mgr", None)
+        if not isinstance(routing, SchedulerRouting):
+            return original(self, scheduler_output, model_runner_output)
+        routing.before_output(scheduler_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        routing.finish_missing(self, outputs)
+        routing.forget_gone_requests(self)
+        return outputs
+
+    return update_from_output
+
+
+def scheduler_patches() -> list[Patch]:
+    """The scheduler-side patches, each verified against the installed vLLM."""
+    return [
+        Patch(SCHEDULER, "RoutedExpertsManager", ("vllm_config", "kv_cache_config"),
+              ("def store_batch", "def get("), _make_manager),
+        Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
+              ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
+        Patch(SCHEDULER, "Scheduler.__init__", None,
+              ("self.routed_experts_mgr = RoutedExpertsManager(", "self.kv_cache_manager ="),
+              _make_scheduler_init),
+        Patch(SCHEDULER, "Scheduler.schedule", ("self", "throttle_prefills"), ("return scheduler_output",),
+              _make_schedule),
+        Patch(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
+              ("self.routed_experts_mgr.store_batch(re.routing_data, re.slot_mapping)",
+               "self.routed_experts_mgr.get(", "_re_block_ids.pop(req_id"),
+              _make_update_from_output),
+    ]

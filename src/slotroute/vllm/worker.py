@@ -1,0 +1,239 @@
+"""Worker side: slotroute's capturer in vLLM's model runner.
+
+vLLM 0.29-0.30 capture ``topk_ids`` into an int32 buffer and ship it as int32
+(``vllm/v1/worker/gpu_model_runner.py``: ``init_routed_experts_capturer``, the sync
+D2H in ``_bookkeeping_sync``, the async snapshot in ``AsyncGPUModelRunnerOutput``).
+slotroute binds its own :class:`~slotroute.capture.RoutedExpertsCapturer` to the
+same router hooks, leaves vLLM's ``routed_experts_initialized`` off so none of vLLM's
+int32 copies run, and sets ``ModelRunnerOutput.routed_experts`` itself from a
+range-checked snapshot in the storage dtype, on both scheduling paths. The CPU model
+runner (``vllm/v1/worker/cpu_model_runner.py``) inherits all of this.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.distributed.parallel_state import get_tp_group
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+    RoutedExpertsCaptureSource,
+    bind_routed_experts_capturer,
+    get_routed_experts_attn_gid,
+)
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
+
+from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
+from slotroute.vllm.patches import Patch
+from slotroute.vllm.scheduler import routing_spec
+
+__all__ = ["WorkerRouting", "worker_patches"]
+
+logger = logging.getLogger(__name__)
+
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+_ATTR = "_slotroute_routing"
+
+
+def moe_layer_ids(model: torch.nn.Module) -> set[int]:
+    """Layer ids of the modules ``bind_routed_experts_capturer`` binds to."""
+    from vllm.model_executor.layers.fused_moe.layer import MoERunner
+
+    return {
+        module.layer_id
+        for module in model.modules()
+        if isinstance(module, (MoERunner, RoutedExpertsCaptureSource))
+    }
+
+
+class WorkerRouting:
+    """One worker's capture: a slotroute capturer bound to every MoE router of the
+    model, whose rows ``[0, n)`` hold exactly the current step's routing.
+
+    Invariant: before each forward the rows of MoE layers are reset to the capturer's
+    ``NOT_CAPTURED`` and those of dense layers to 0, so a snapshot of a step in which
+    some MoE layer did not capture raises instead of shipping an older step's ids.
+
+    Parameters
+    ----------
+    runner
+        vLLM's ``GPUModelRunner`` (or ``CPUModelRunner``) after its KV cache exists.
+
+    Raises
+    ------
+    ValueError
+        From vLLM's binder if the model has no MoE router it can hook.
+    """
+
+    def __init__(self, runner) -> None:
+        config = runner.vllm_config
+        spec = routing_spec(config)
+        self.tp_size = config.parallel_config.tensor_parallel_size
+        self.dp_rank = config.parallel_config.data_parallel_rank
+        group = get_tp_group().device_group if self.tp_size > 1 else None
+        self.capturer = RoutedExpertsCapturer(
+            spec, config.scheduler_config.max_num_batched_tokens, runner.device, tp_group=group
+        )
+        gid = get_routed_experts_attn_gid(runner.kv_cache_config)
+        # Every layer of the group shares the group's slot mapping; any one names it.
+        self.attn_layer = runner.kv_cache_config.kv_cache_groups[gid].layer_names[0]
+        self._single_rank = BatchLayout(tp_size=self.tp_size)
+        self._dp_key: object = None
+        self._dp_layout = self._single_rank
+        model = runner.get_model()
+        bind_routed_experts_capturer(model, self)
+        moe = moe_layer_ids(model)
+        dense = [layer for layer in range(spec.num_layers) if layer not in moe]
+        self._dense = torch.tensor(dense, dtype=torch.long, device=self.capturer.device) if dense else None
+        self.begin_step()
+        logger.info(
+            "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
+        )
+
+    def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """The callback vLLM's routers call with one layer's ``topk_ids``.
+
+        Raises
+        ------
+        IndexError, ValueError
+            As ``RoutedExpertsCapturer.capture``.
+        """
+        # Bounded by one copy launch; the layout is rebuilt once a step at most.
+        dp = get_forward_context().dp_metadata
+        layout = self._single_rank if dp is None else self._layout_for(dp)
+        self.capturer.capture(layer_id, topk_ids, layout=layout)
+
+    def _layout_for(self, dp) -> BatchLayout:
+        if dp is not self._dp_key:
+            self._dp_key = dp
+            self._dp_layout = BatchLayout(
+                num_tokens_across_dp=tuple(dp.num_tokens_across_dp_cpu.tolist()),
+                dp_rank=self.dp_rank,
+                tp_size=self.tp_size,
+                local_sizes=getattr(dp, "local_sizes", None),
+            )
+        return self._dp_layout
+
+    def begin_step(self) -> None:
+        """Reset the capture rows (see the class invariant), on the current stream."""
+        self.capturer.clear_buffer()
+        if self._dense is not None:
+            self.capturer.get_device_buffer().index_fill_(1, self._dense, 0)
+
+    def snapshot(self, state) -> PendingSnapshot | None:
+        """Start shipping the routing of the step ``state`` (vLLM's
+        ``ExecuteModelState``) ran; ``None`` for a step without tokens.
+
+        Raises
+        ------
+        ValueError
+            If the step was split into micro-batches (one slot mapping per
+            micro-batch), which slotroute does not support.
+        """
+        n = state.scheduler_output.total_num_scheduled_tokens
+        if n == 0:
+            return None
+        if not isinstance(state.slot_mappings, dict):
+            raise ValueError(
+                "slotroute needs one slot mapping per step (a dict by layer name), got "
+                f"{type(state.slot_mappings).__name__}: micro-batching is not supported"
+            )
+        return self.capturer.snapshot(n, state.slot_mappings[self.attn_layer][:n])
+
+
+def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
+    """The snapshot's result in vLLM's own type (narrow ``routing_data``), or ``None``
+    on TP ranks other than 0.
+
+    Raises
+    ------
+    ValueError
+        From ``PendingSnapshot.result``: an expert id out of range, or a MoE layer that
+        captured nothing in this step.
+    """
+    lists = pending.result()
+    if lists is None:
+        return None
+    return VllmRoutedExpertsLists(routing_data=lists.routing_data, slot_mapping=lists.slot_mapping)
+
+
+class AsyncOutputWithRouting(AsyncModelRunnerOutput):
+    """vLLM's async step output plus this step's pending routing; ``get_output``
+    waits for both. Any other attribute is the wrapped output's."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, pending: PendingSnapshot) -> None:
+        self._inner = inner
+        self._pending = pending
+
+    def get_output(self) -> ModelRunnerOutput:
+        output = self._inner.get_output()
+        output.routed_experts = as_vllm_lists(self._pending)
+        return output
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_init_capturer(original):
+    """Replaces ``vllm/v1/worker/gpu_model_runner.py``
+    ``GPUModelRunner.init_routed_experts_capturer``: binds slotroute's capturer and
+    leaves ``routed_experts_initialized`` False, so vLLM's int32 copies never run."""
+
+    def init_routed_experts_capturer(self):
+        self.__dict__[_ATTR] = WorkerRouting(self)
+
+    return init_routed_experts_capturer
+
+
+def _make_execute_model(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.execute_model``:
+    resets the capture rows before the forward."""
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        routing = self.__dict__.get(_ATTR)
+        if routing is not None:
+            routing.begin_step()
+        return original(self, scheduler_output, intermediate_tensors)
+
+    return execute_model
+
+
+def _make_sample_tokens(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
+    attaches the step's narrow routing to the sync output, or wraps the async one."""
+
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        output = original(self, grammar_output)
+        routing = self.__dict__.get(_ATTR)
+        if routing is None or state is None:
+            return output
+        pending = routing.snapshot(state)
+        if pending is None:
+            return output
+        if isinstance(output, AsyncModelRunnerOutput):
+            return AsyncOutputWithRouting(output, pending)
+        if isinstance(output, ModelRunnerOutput):
+            output.routed_experts = as_vllm_lists(pending)
+        return output
+
+    return sample_tokens
+
+
+def worker_patches() -> list[Patch]:
+    """The worker-side patches, each verified against the installed vLLM."""
+    return [
+        Patch(RUNNER, "GPUModelRunner.init_routed_experts_capturer", ("self",),
+              ("bind_routed_experts_capturer(self.model", "self.routed_experts_initialized = True"),
+              _make_init_capturer),
+        Patch(RUNNER, "GPUModelRunner.execute_model", ("self", "scheduler_output", "intermediate_tensors"),
+              ("self.execute_model_state = ExecuteModelState(",), _make_execute_model),
+        Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+              ("self.execute_model_state = None", "if self.routed_experts_initialized:"),
+              _make_sample_tokens),
+    ]
