@@ -23,9 +23,11 @@ INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.
 # larger than any valid one, so ``max(view) < num_experts`` checks both bounds.
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
-# Prefill chunks copied as whole-block runs per call. Each costs one Python-level
-# numpy call; beyond this many the per-token scatter is as fast.
-MAX_BLOCK_RUNS = 64
+# Runs of consecutive slots copied as slices: a slice costs about a microsecond of
+# Python overhead, a scattered row a few tens of nanoseconds, so only runs of at
+# least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
+MIN_RUN = 32
+MAX_RUNS = 64
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -77,14 +79,17 @@ class RoutedExpertsManager:
         layers, top_k = spec.token_shape
         self._buffer = np.zeros((self.num_slots, layers, top_k), dtype=spec.storage_dtype)
         self._by_block = self._buffer.reshape(self.num_blocks, self.block_size, layers, top_k)
-        # NOTE: one flag per slot; True means "written since the block was last
-        # invalidated". Demand-paged like the buffer.
-        self._written = np.zeros(self.num_slots, dtype=bool)
-        self._written_by_block = self._written.reshape(self.num_blocks, self.block_size)
-        # Scratch for the duplicate-slot check in store_batch; its contents between
-        # calls mean nothing.
-        self._stamp = np.zeros(self.num_slots, dtype=np.int32)
-        self._iota = np.arange(0, dtype=np.int32)
+        # NOTE 1: written state is kept as stamps. Every stored row gets a stamp
+        # (1, 2, 3, ... over the store's life) in its slot; invalidating a block
+        # records the last stamp handed out so far. A slot is written iff its stamp
+        # is newer than its block's invalidation. One scatter per batch maintains
+        # it, and reading the stamps back detects repeated slots (NOTE 2).
+        # Both arrays are demand-paged like the buffer.
+        self._stamp = np.zeros(self.num_slots, dtype=np.int64)
+        self._stamp_by_block = self._stamp.reshape(self.num_blocks, self.block_size)
+        self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
+        self._last_stamp = 0
+        self._iota = np.arange(1, 1, dtype=np.int64)
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
@@ -107,8 +112,9 @@ class RoutedExpertsManager:
 
         Slots < 0 are padding: their rows are skipped and not checked. If a slot
         repeats, the last row that names it wins. Bounded by memory bandwidth for
-        large steps (whole blocks are copied as rows of ``block_size`` tokens) and by
-        Python call overhead for decode steps.
+        large steps (runs of consecutive slots are copied as slices), by the latency of
+        scattered writes for decode tokens, and by Python call overhead for
+        single-token steps.
 
         Parameters
         ----------
@@ -127,11 +133,20 @@ class RoutedExpertsManager:
             A slot >= ``num_slots``.
         """
         data, slots = self._checked_batch(data, slot_mapping)
-        if slots.shape[0] == 0:
+        n = slots.shape[0]
+        if n == 0:
             return
-        if slots.shape[0] > 1 and not self._unique(slots):
+        data = data.astype(self._buffer.dtype, copy=False)
+        runs = _contiguous_runs(slots)
+        stamps = self._next_stamps(n)
+        _scatter(self._stamp, slots, stamps, runs)
+        # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
+        # order numpy scattered a repeated slot in; all stamps of this batch are
+        # newer than any invalidation, so the state is right either way.
+        if n > 1 and not np.array_equal(self._stamp[slots], stamps):
             data, slots = _last_write_per_slot(data, slots)
-        self._write(data, slots)
+            runs = _contiguous_runs(slots)
+        _scatter(self._buffer, slots, data, runs)
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
@@ -174,7 +189,8 @@ class RoutedExpertsManager:
         used = blocks[first : -(-num_tokens // self.block_size)]
         lo = token_start - first * self.block_size
         hi = num_tokens - first * self.block_size
-        written = self._written_by_block[used].reshape(-1)[lo:hi]
+        written = self._stamp_by_block[used] > self._invalidated_at[used, None]
+        written = written.reshape(-1)[lo:hi]
         if not written.all():
             raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
         out = np.take(self._by_block, used, axis=0)
@@ -193,12 +209,12 @@ class RoutedExpertsManager:
             ``block_ids`` not 1-D integers.
         """
         blocks = self._checked_blocks(block_ids)
-        self._written_by_block[blocks] = False
+        self._invalidated_at[blocks] = self._last_stamp
 
     def stats(self) -> StoreStats:
         """Capacity, resident memory and occupancy of the slot buffer (a snapshot)."""
         resident = _resident_bytes(self._buffer)
-        written = int(np.count_nonzero(self._written))
+        written = int(np.count_nonzero(self._stamp_by_block > self._invalidated_at[:, None]))
         if resident is None:
             resident = written * self.spec.bytes_per_token
         return StoreStats(self._buffer.nbytes, resident, written)
@@ -265,59 +281,44 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
-    def _unique(self, slots: np.ndarray) -> bool:
-        """Whether no slot repeats. Stamps each slot with its row and reads the stamps
-        back: a repeated slot keeps only one row's stamp, whatever order numpy
-        scatters in. Two passes over N int32s."""
-        n = slots.shape[0]
+    def _next_stamps(self, n: int) -> np.ndarray:
+        """Stamps for the next ``n`` rows, in row order (a view of a cached range)."""
         if self._iota.shape[0] < n:
-            self._iota = np.arange(max(n, 2 * self._iota.shape[0]), dtype=np.int32)
-        iota = self._iota[:n]
-        self._stamp[slots] = iota
-        return bool(np.array_equal(self._stamp[slots], iota))
-
-    def _write(self, data: np.ndarray, slots: np.ndarray) -> None:
-        """Copy rows into their (distinct, valid) slots, casting to the storage dtype.
-
-        Aligned runs of whole blocks are copied block by block (rows of
-        block_size * L * K values); the rest token by token."""
-        bs = self.block_size
-        runs = _block_runs(slots, bs) if slots.shape[0] >= 2 * bs else ()
-        if not runs:
-            self._buffer[slots] = data
-        else:
-            rest = np.ones(slots.shape[0], dtype=bool)
-            for start, stop in runs:  # bounded by MAX_BLOCK_RUNS
-                self._by_block[slots[start:stop:bs] // bs] = data[start:stop].reshape(-1, bs, *data.shape[1:])
-                rest[start:stop] = False
-            if not rest.all():
-                self._buffer[slots[rest]] = data[rest]
-        self._written[slots] = True
+            self._iota = np.arange(1, max(n, 2 * self._iota.shape[0]) + 1, dtype=np.int64)
+        stamps = self._iota[:n] + self._last_stamp
+        self._last_stamp += n
+        return stamps
 
 
-def _block_runs(slots: np.ndarray, block_size: int) -> list[tuple[int, int]]:
-    """Row ranges ``[start, stop)`` made of whole blocks: ``slots[start]`` is a block's
-    first slot and every following ``block_size`` rows continue it slot by slot.
+def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` of at least MIN_RUN rows whose slots step by +1
+    (a prefill over contiguous blocks): they can be copied as one slice.
 
-    Consecutive aligned blocks in row order form one run (any block ids). Returns
-    at most MAX_BLOCK_RUNS runs (none when there would be more)."""
+    At most MAX_RUNS of them, the first ones in row order; rows outside any run are
+    scattered token by token, so any subset is correct."""
     n = slots.shape[0]
-    consecutive = np.empty(n, dtype=np.int64)
-    consecutive[0] = 0
-    np.cumsum(np.diff(slots) == 1, out=consecutive[1:])
-    # Candidate block starts: aligned slot, and block_size - 1 steps of +1 follow.
-    starts = np.flatnonzero(slots[: n - block_size + 1] % block_size == 0)
-    whole = consecutive[starts + block_size - 1] - consecutive[starts] == block_size - 1
-    starts = starts[whole]
-    if starts.shape[0] == 0:
+    if n < MIN_RUN:
         return []
-    # Blocks whose rows follow each other form one run.
-    breaks = np.flatnonzero(np.diff(starts) != block_size) + 1
-    if breaks.shape[0] >= MAX_BLOCK_RUNS:
-        return []
-    firsts = starts[np.r_[0, breaks]].tolist()
-    lasts = (starts[np.r_[breaks - 1, starts.shape[0] - 1]] + block_size).tolist()
-    return list(zip(firsts, lasts))
+    bounds = np.flatnonzero(slots[1:] - slots[:-1] != 1) + 1
+    bounds = np.concatenate(([0], bounds, [n]))
+    long = np.flatnonzero(np.diff(bounds) >= MIN_RUN)[:MAX_RUNS]
+    return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
+
+
+def _scatter(dst: np.ndarray, slots: np.ndarray, rows: np.ndarray, runs: list[tuple[int, int]]) -> None:
+    """``dst[slots] = rows`` for distinct slots, with each run copied as one slice.
+
+    Bounded by memory bandwidth on runs, and by the latency of scattered writes
+    elsewhere; the loop is bounded by MAX_RUNS."""
+    done = 0
+    for start, stop in runs:
+        if done < start:
+            dst[slots[done:start]] = rows[done:start]
+        first = int(slots[start])
+        dst[first : first + stop - start] = rows[start:stop]
+        done = stop
+    if done < slots.shape[0]:
+        dst[slots[done:]] = rows[done:]
 
 
 def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
