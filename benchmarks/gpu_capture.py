@@ -183,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         real_triton = capture.triton
         capture.triton = None
         try:
-            row["snapshot_torch_fallback_device_us"] = snapshot_costs(cap, n, slots, args.repeat // 2)["device_us"]
+            fallback = snapshot_costs(cap, n, slots, args.repeat // 2)
+            row["snapshot_torch_fallback_device_us"] = fallback["device_us"]
+            row["snapshot_torch_fallback_host_call_us"] = fallback["host_call_us"]
         finally:
             capture.triton = real_triton
         lists = cap.snapshot(n, slots).result()

@@ -43,12 +43,20 @@ def capture_step(cap, ids):
         cap.capture(layer, rows.long() if layer % 2 else rows)
 
 
-def poison_staging(cap):
+def poison(cap, num_tokens, blocks=4):
+    """Fill the device staging buffers, and pinned blocks the caching host allocator
+    will hand to the next snapshots of ``num_tokens``, with values a correct snapshot
+    overwrites (a nonzero count of bad ids fails ``result()`` if it is left there)."""
     for stage in cap._stages:
         stage.narrow.fill_(POISON_HOST)
-        stage.host_narrow.fill_(POISON_HOST)
+        stage.bad.fill_(777)
         stage.slots.fill_(-7)
-        stage.host_slots.fill_(-7)
+    held = [capture._pinned_block(num_tokens, cap.spec.token_shape, cap._stages[0].narrow.dtype) for _ in range(blocks)]
+    for slots, bad, rows in held:
+        slots.fill_(-7)
+        bad.fill_(777)
+        rows.fill_(POISON_HOST)
+    torch.cuda.synchronize()  # dropping `held` returns the blocks to the allocator's cache
 
 
 def assert_snapshot_equals(lists, ids, slots, spec):
@@ -95,25 +103,25 @@ def test_snapshot_is_not_torn_when_the_next_step_overwrites_the_buffer_at_once(n
     n = 8192
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=n, device="cuda")
     slots = torch.empty(n, dtype=torch.int64, device="cuda")  # one buffer, reused each step
-    poison_staging(cap)
-    steps = []
+    poison(cap, n)
+    in_flight = []
     for step in range(6):
         ids = random_routing(DEEPSEEK, n, seed=step)
         cap.clear_buffer()
         capture_step(cap, ids)
         slots.copy_(torch.randperm(10 * n, device="cuda")[:n])
-        pending = cap.snapshot(n, slots)
-        steps.append((pending, ids, slots.clone()))
+        in_flight.append((cap.snapshot(n, slots), ids, slots.clone()))
         if step % 2:  # resolve every second step: two snapshots in flight at once
-            for pending, ids, expected_slots in steps[-2:]:
-                assert_snapshot_equals(pending.result(), ids, expected_slots, DEEPSEEK)
+            for pending, expected_ids, expected_slots in in_flight:
+                assert_snapshot_equals(pending.result(), expected_ids, expected_slots, DEEPSEEK)
+            in_flight.clear()  # their pinned blocks go back to the allocator for reuse
 
 
 def test_more_snapshots_in_flight_than_staging_buffers_all_stay_correct(narrowing):
     n = 2048
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=n, device="cuda")
     slots = torch.empty(n, dtype=torch.int64, device="cuda")
-    poison_staging(cap)
+    poison(cap, n)
     steps = []
     for step in range(5):
         ids = random_routing(DEEPSEEK, n - 100 * step, seed=100 + step)
@@ -123,6 +131,22 @@ def test_more_snapshots_in_flight_than_staging_buffers_all_stay_correct(narrowin
         steps.append((cap.snapshot(len(ids), slots[: len(ids)]), ids, slots[: len(ids)].clone()))
     for pending, ids, expected_slots in steps:
         assert_snapshot_equals(pending.result(), ids, expected_slots, DEEPSEEK)
+
+
+def test_a_result_is_not_changed_by_later_snapshots(narrowing):
+    n = 1024
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=n, device="cuda")
+    slots = torch.arange(n, device="cuda")
+    first_ids = random_routing(DEEPSEEK, n, seed=40)
+    capture_step(cap, first_ids)
+    first = cap.snapshot(n, slots).result()
+    kept = first.routing_data.copy(), first.slot_mapping.copy()
+    for step in range(4):
+        capture_step(cap, random_routing(DEEPSEEK, n, seed=41 + step))
+        slots.add_(n)
+        cap.snapshot(n, slots).result()  # dropped: its pinned block is free for reuse
+    np.testing.assert_array_equal(first.routing_data, kept[0])
+    np.testing.assert_array_equal(first.slot_mapping, kept[1])
 
 
 def test_snapshot_does_not_synchronise_with_the_device(narrowing):

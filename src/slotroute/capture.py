@@ -187,59 +187,65 @@ def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, nu
 
 
 class _Staging:
-    """One of the capturer's two snapshot buffers (CUDA only): the narrow copy and the
-    slot mapping on the device, their pinned host twins, and the events ordering them.
+    """One of the capturer's two device staging buffers (CUDA only): a step's rows in
+    the storage dtype, its count of out-of-range ids and its slot mapping, which the
+    copy stream reads while the next step runs.
 
-    ``owner`` is the unresolved :class:`PendingSnapshot` whose data the host buffers
-    hold or will hold; a staging buffer is reused only once its owner is resolved.
+    ``last_read`` is the event after the last copy out of this buffer; the compute
+    stream waits for it before writing here again.
     """
 
-    __slots__ = ("narrow", "bad", "slots", "host_narrow", "host_bad", "host_slots", "ready", "copied", "owner")
+    __slots__ = ("narrow", "bad", "slots", "ready", "last_read")
 
     def __init__(self, max_num_tokens: int, token_shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-        shape = (max_num_tokens, *token_shape)
-        self.narrow = torch.empty(shape, dtype=dtype, device=device)
+        self.narrow = torch.empty((max_num_tokens, *token_shape), dtype=dtype, device=device)
         self.bad = torch.zeros(1, dtype=torch.int32, device=device)
         self.slots = torch.empty(max_num_tokens, dtype=torch.int64, device=device)
-        self.host_narrow = torch.empty(shape, dtype=dtype, pin_memory=True)
-        self.host_bad = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self.host_slots = torch.empty(max_num_tokens, dtype=torch.int64, pin_memory=True)
         self.ready = torch.cuda.Event()
-        self.copied = torch.cuda.Event()
-        self.owner: PendingSnapshot | None = None
+        self.last_read: torch.cuda.Event | None = None
+
+
+def _pinned_block(num_tokens: int, token_shape: tuple[int, int], dtype: torch.dtype):
+    """``(slots int64 (n,), bad int32 (1,), rows (n, L, K))``: views of one allocation
+    from torch's caching host allocator, which hands a block out again only after its
+    last asynchronous copy finished and every view of it was dropped."""
+    row_bytes = token_shape[0] * token_shape[1] * dtype.itemsize
+    block = torch.empty(8 * num_tokens + 8 + num_tokens * row_bytes, dtype=torch.uint8, pin_memory=True)
+    slots = block[: 8 * num_tokens].view(torch.int64)
+    bad = block[8 * num_tokens : 8 * num_tokens + 4].view(torch.int32)
+    rows = block[8 * num_tokens + 8 :].view(dtype).view(num_tokens, *token_shape)
+    return slots, bad, rows
 
 
 class PendingSnapshot:
     """One step's routing on its way to the host; :meth:`result` waits for it.
 
-    Until resolved it may own one of the capturer's staging buffers; it is resolved by
-    the first :meth:`result` call, or by the capturer when that buffer is needed again
-    (see :meth:`RoutedExpertsCapturer.snapshot`). Once resolved it holds host memory
-    of its own, and :meth:`result` returns the same object (or raises the same error)
-    every time.
+    It owns the pinned host memory its copy lands in, so it stays valid however many
+    later snapshots are taken before :meth:`result`. The first :meth:`result` call
+    resolves it; later calls return the same object (or raise the same error).
     """
 
-    __slots__ = ("_stage", "_num_tokens", "_spec", "_host_slots", "_result", "_error")
+    __slots__ = ("_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_result", "_error")
 
     def __init__(
         self,
         spec: RoutingSpec,
         num_tokens: int,
-        stage: _Staging | None = None,
-        host_slots: np.ndarray | None = None,
         result: RoutedExpertsLists | None = None,
         error: Exception | None = None,
+        copied: torch.cuda.Event | None = None,
+        pinned: tuple[torch.Tensor | np.ndarray, torch.Tensor, torch.Tensor] | None = None,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
-        self._stage = stage
-        self._host_slots = host_slots
         self._result = result
         self._error = error
+        self._copied = copied
+        self._slots, self._bad, self._rows = pinned if pinned is not None else (None, None, None)
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting. Never blocks."""
-        return self._stage is None or self._stage.copied.query()
+        return self._copied is None or self._copied.query()
 
     def result(self) -> RoutedExpertsLists | None:
         """Wait for the copy and return the step's routing.
@@ -248,9 +254,10 @@ class PendingSnapshot:
         -------
         RoutedExpertsLists or None
             ``routing_data`` of shape ``(num_tokens, num_layers, top_k)`` in the spec's
-            storage dtype and ``slot_mapping`` of shape ``(num_tokens,)``, both numpy
-            arrays this object owns (copies: no later step changes them). ``None`` on a
-            TP rank other than 0, which ships nothing.
+            storage dtype and ``slot_mapping`` (int64) of shape ``(num_tokens,)``:
+            numpy arrays over host memory that belongs to this result alone (on CUDA,
+            views of its pinned block, no copy; on CPU, copies). No later step
+            writes them. ``None`` on a TP rank other than 0, which ships nothing.
 
         Raises
         ------
@@ -258,24 +265,22 @@ class PendingSnapshot:
             If an expert id is outside ``[0, num_experts)``, including ``-1`` for a
             (token, layer) that no ``capture()`` wrote since ``clear_buffer()``.
         """
-        if self._stage is not None:
+        if self._copied is not None:
             self._resolve()
         if self._error is not None:
             raise self._error
         return self._result
 
     def _resolve(self) -> None:
-        stage, n = self._stage, self._num_tokens
-        stage.copied.synchronize()  # the only host wait of the pipeline
-        bad = int(stage.host_bad[0])
+        self._copied.synchronize()  # the pipeline's only host wait
+        bad = int(self._bad[0])
         if bad:
-            self._error = _range_error(self._spec, n, bad)
+            self._error = _range_error(self._spec, self._num_tokens, bad)
         else:
-            data = stage.host_narrow[:n].numpy().view(self._spec.storage_dtype).copy()
-            slots = stage.host_slots[:n].numpy().copy() if self._host_slots is None else self._host_slots
+            data = self._rows.numpy().view(self._spec.storage_dtype)
+            slots = self._slots if isinstance(self._slots, np.ndarray) else self._slots.numpy()
             self._result = RoutedExpertsLists(routing_data=data, slot_mapping=slots)
-        stage.owner = None
-        self._stage = None
+        self._copied = self._rows = self._bad = self._slots = None
 
 
 def _range_error(spec: RoutingSpec, num_tokens: int, bad: int) -> ValueError:
@@ -448,16 +453,16 @@ class RoutedExpertsCapturer:
     def snapshot(self, num_tokens: int, slot_mapping: torch.Tensor | np.ndarray) -> PendingSnapshot:
         """Start shipping the first ``num_tokens`` rows of the buffer and their KV slots.
 
-        On CUDA, enqueued on the current stream (the one that ran the forward), this
-        never waits for the device: one pass checks every id against
-        ``[0, num_experts)`` and casts it to the storage dtype into a device staging
-        buffer, a device ``slot_mapping`` is copied beside it, and a dedicated copy
-        stream moves both into pinned host memory once an event says they are ready.
-        The next step may then overwrite the capture buffer and ``slot_mapping`` at
-        once: the staging copies were taken before its kernels on the same stream. Two
-        staging buffers alternate; a snapshot that finds its buffer still owned by an
-        unresolved pending result (a third snapshot before the first's ``result()``)
-        resolves that one first, the only case in which this call waits for the device.
+        On CUDA this never waits for the device. Enqueued on the current stream (the
+        one that ran the forward): one pass checks every id against
+        ``[0, num_experts)`` and casts it to the storage dtype into one of two device
+        staging buffers, and a device ``slot_mapping`` is copied beside it. A dedicated
+        copy stream, ordered after those kernels by an event, moves both into a pinned
+        host block that belongs to the returned pending result. The next step may
+        overwrite the capture buffer and ``slot_mapping`` at once: the staging copies
+        come before its kernels on the same stream. Any number of snapshots may be in
+        flight: each has its own host block, and a staging buffer is rewritten only
+        after the device finished copying out of it (a device-side wait).
 
         On CPU the work is done before returning; the API is the same.
 
@@ -518,33 +523,37 @@ class RoutedExpertsCapturer:
         return PendingSnapshot(self._spec, n, result=RoutedExpertsLists(routing_data=data, slot_mapping=slots))
 
     def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:
-        # Host cost: a handful of launches; device cost: one pass over the int32 rows
-        # (memory bandwidth) and a D2H of the narrow bytes (PCIe/NVLink-C2C bandwidth).
+        # Host cost: a pinned block from torch's cache and a handful of launches; device
+        # cost: one pass over the int32 rows (memory bandwidth) and a D2H of the narrow
+        # bytes (host-link bandwidth).
         stage = self._stages[self._next_stage]
         self._next_stage ^= 1
-        if stage.owner is not None:
-            stage.owner._resolve()  # NOTE 1: more snapshots in flight than staging buffers
+        slots, bad, rows = _pinned_block(n, self._spec.token_shape, stage.narrow.dtype)
         with torch.cuda.device(self._device):
             compute = torch.cuda.current_stream()
+            if stage.last_read is not None:
+                # NOTE 1: the copy out of this staging buffer two snapshots ago may still
+                # run; the device waits for it, the host does not.
+                compute.wait_event(stage.last_read)
             stage.bad.zero_()
             if n:
                 check_and_narrow(self._buffer[:n], stage.narrow[:n], stage.bad, self._spec.num_experts)
             if host_slots is None:
                 stage.slots[:n].copy_(slot_mapping)
             stage.ready.record(compute)
-            # NOTE 2: everything the copy stream reads below is staging memory, written
-            # only by the kernels above; the capture buffer and the caller's slot_mapping
-            # are free for the next step as soon as those kernels ran on `compute`.
+            # NOTE 2: the copy stream reads only staging memory, written by the kernels
+            # just enqueued on `compute`. Kernels enqueued there later (the next step
+            # overwriting the capture buffer and slot_mapping) run after those, so they
+            # cannot tear this snapshot, whatever the copy stream is doing.
             self._copy_stream.wait_event(stage.ready)
             with torch.cuda.stream(self._copy_stream):
-                stage.host_narrow[:n].copy_(stage.narrow[:n], non_blocking=True)
-                stage.host_bad.copy_(stage.bad, non_blocking=True)
+                rows.copy_(stage.narrow[:n], non_blocking=True)
+                bad.copy_(stage.bad, non_blocking=True)
                 if host_slots is None:
-                    stage.host_slots[:n].copy_(stage.slots[:n], non_blocking=True)
-                stage.copied.record(self._copy_stream)
-        # NOTE 3: no device wait guards the staging memory against the next snapshot
-        # that uses it: that happens only after this pending result is resolved, and
-        # resolving waits for `copied`, so the copies out of it are complete.
-        pending = PendingSnapshot(self._spec, n, stage=stage, host_slots=host_slots)
-        stage.owner = pending
-        return pending
+                    slots.copy_(stage.slots[:n], non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+        stage.last_read = copied
+        return PendingSnapshot(
+            self._spec, n, copied=copied, pinned=(slots if host_slots is None else host_slots, bad, rows)
+        )
