@@ -1,0 +1,557 @@
+"""RoutedExpertsManager: a slot-indexed store that never returns routing it did not store."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from slotroute.spec import MissingRoutingError, RoutingSpec
+from slotroute.store import MIN_RUN, RoutedExpertsManager
+
+INPUT_DTYPES = (np.uint8, np.uint16, np.int32, np.int64)
+# Storage uint8 (with and without a range check on uint8 input) and uint16.
+SPECS = (
+    RoutingSpec(num_layers=2, top_k=3, num_experts=7),
+    RoutingSpec(num_layers=1, top_k=2, num_experts=256),
+    RoutingSpec(num_layers=3, top_k=2, num_experts=300),
+)
+
+
+def make(spec: RoutingSpec = SPECS[0], num_blocks: int = 8, block_size: int = 4) -> RoutedExpertsManager:
+    return RoutedExpertsManager(spec, num_blocks, block_size)
+
+
+def routing(spec: RoutingSpec, n: int, seed: int = 0, dtype=None) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, spec.num_experts, (n, *spec.token_shape))
+    return data.astype(dtype or spec.storage_dtype)
+
+
+class Snapshot:
+    """Everything observable about a store: its buffer and which slots are readable."""
+
+    def __init__(self, mgr: RoutedExpertsManager) -> None:
+        self.buffer = mgr.routed_experts_by_slot.copy()
+        self.readable = readable_slots(mgr)
+        self.stats = mgr.stats()
+
+    def assert_unchanged(self, mgr: RoutedExpertsManager) -> None:
+        np.testing.assert_array_equal(mgr.routed_experts_by_slot, self.buffer)
+        assert readable_slots(mgr) == self.readable
+        assert mgr.stats().slots_written == self.stats.slots_written
+
+
+def readable_slots(mgr: RoutedExpertsManager) -> set[int]:
+    slots = set()
+    for block in range(mgr.num_blocks):
+        for offset in range(mgr.block_size):
+            try:
+                mgr.get([block], offset + 1, offset)
+            except MissingRoutingError:
+                continue
+            slots.add(block * mgr.block_size + offset)
+    return slots
+
+
+# -- reference model ------------------------------------------------------------------
+
+
+@st.composite
+def slot_mappings(draw, num_slots: int, max_len: int = 80) -> np.ndarray:
+    """Slot mappings as a step produces them, and worse: contiguous runs (long
+    enough for the slice path), scattered single slots, padding and repeats."""
+    parts: list[int] = []
+    while len(parts) < max_len and draw(st.booleans()):
+        kind = draw(st.sampled_from(["run", "single", "padding", "repeat"]))
+        if kind == "run":
+            length = draw(st.integers(1, min(num_slots, MIN_RUN + 8)))
+            start = draw(st.integers(0, num_slots - length))
+            parts.extend(range(start, start + length))
+        elif kind == "single":
+            parts.append(draw(st.integers(0, num_slots - 1)))
+        elif kind == "padding":
+            parts.append(draw(st.integers(-3, -1)))
+        elif parts:
+            parts.append(draw(st.sampled_from(parts)))
+    return np.array(parts, dtype=draw(st.sampled_from([np.int32, np.int64])))
+
+
+class StoreMachine(RuleBasedStateMachine):
+    """Random sequences of store_batch / invalidate_blocks / get against a plain
+    dict of slot -> row, including calls that must fail and change nothing."""
+
+    @initialize(
+        spec=st.sampled_from(SPECS),
+        num_blocks=st.integers(1, 12),
+        block_size=st.sampled_from([1, 3, 4, 16]),
+    )
+    def setup(self, spec, num_blocks, block_size):
+        self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
+        self.spec = spec
+        self.ref: dict[int, np.ndarray] = {}
+
+    @rule(data=st.data(), dtype=st.sampled_from(INPUT_DTYPES))
+    def store_batch(self, data, dtype):
+        slots = data.draw(slot_mappings(self.mgr.num_slots))
+        rows = routing(self.spec, len(slots), seed=data.draw(st.integers(0, 2**16)), dtype=np.int64)
+        # Padding rows may hold anything; they must be skipped, not checked.
+        rows[slots < 0] = -5
+        if np.iinfo(dtype).max < self.spec.num_experts - 1:
+            dtype = np.int64
+        self.mgr.store_batch(rows.astype(dtype), slots)
+        for slot, row in zip(slots.tolist(), rows):
+            if slot >= 0:
+                self.ref[slot] = row.astype(self.spec.storage_dtype)
+
+    @rule(data=st.data())
+    def invalidate(self, data):
+        blocks = data.draw(st.lists(st.integers(0, self.mgr.num_blocks - 1), max_size=4))
+        self.mgr.invalidate_blocks(blocks)
+        for block in blocks:
+            for slot in range(block * self.mgr.block_size, (block + 1) * self.mgr.block_size):
+                self.ref.pop(slot, None)
+
+    @rule(data=st.data())
+    def get(self, data):
+        blocks = data.draw(st.lists(st.integers(0, self.mgr.num_blocks - 1), max_size=5))
+        num_tokens = data.draw(st.integers(0, len(blocks) * self.mgr.block_size))
+        token_start = data.draw(st.integers(0, num_tokens))
+        slots = [blocks[t // self.mgr.block_size] * self.mgr.block_size + t % self.mgr.block_size for t in range(num_tokens)]
+        missing = [t for t in range(token_start, num_tokens) if slots[t] not in self.ref]
+        as_array = data.draw(st.booleans())
+        ids = np.array(blocks, dtype=np.int64) if as_array else blocks
+        if missing:
+            with pytest.raises(MissingRoutingError) as info:
+                self.mgr.get(ids, num_tokens, token_start)
+            assert f"no routing stored for {len(missing)} of" in str(info.value)
+            assert str(missing[0]) in str(info.value)
+        else:
+            out = self.mgr.get(ids, num_tokens, token_start)
+            expected = np.array(
+                [self.ref[s] for s in slots[token_start:]], dtype=self.spec.storage_dtype
+            ).reshape(-1, *self.spec.token_shape)
+            assert out.dtype == self.spec.storage_dtype
+            np.testing.assert_array_equal(out, expected)
+
+    @rule(data=st.data())
+    def bad_batch_changes_nothing(self, data):
+        n = data.draw(st.integers(1, 6))
+        slots = np.arange(n, dtype=np.int64) % self.mgr.num_slots
+        rows = routing(self.spec, n, dtype=np.int64)
+        fault = data.draw(st.sampled_from(["slot", "expert", "negative", "shape"]))
+        row = data.draw(st.integers(0, n - 1))
+        if fault == "slot":
+            slots[row] = self.mgr.num_slots + data.draw(st.integers(0, 5))
+            error = IndexError
+        elif fault == "expert":
+            rows[row, 0, 0] = self.spec.num_experts + data.draw(st.integers(0, 5))
+            error = ValueError
+        elif fault == "negative":
+            rows[row, -1, -1] = -1
+            error = ValueError
+        else:
+            rows = rows[:, :, :-1]
+            error = ValueError
+        before = Snapshot(self.mgr)
+        with pytest.raises(error):
+            self.mgr.store_batch(rows.astype(np.int32), slots)
+        before.assert_unchanged(self.mgr)
+
+    @invariant()
+    def slots_written_counts_reference(self):
+        if hasattr(self, "mgr"):
+            assert self.mgr.stats().slots_written == len(self.ref)
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=25, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestStoreMatchesReferenceModel = StoreMachine.TestCase
+
+
+# -- shape and memory -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.num_experts}experts")
+def test_slot_buffer_has_pool_shape_in_storage_dtype(spec):
+    mgr = make(spec, num_blocks=5, block_size=3)
+    assert mgr.routed_experts_by_slot.shape == (15, *spec.token_shape)
+    assert mgr.routed_experts_by_slot.dtype == spec.storage_dtype
+
+
+def test_slot_buffer_is_a_read_only_view():
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 1), [2])
+    view = mgr.routed_experts_by_slot
+    with pytest.raises(ValueError):
+        view[2] = 0
+    mgr.store_batch(routing(mgr.spec, 1, seed=9), [2])
+    np.testing.assert_array_equal(view[2], routing(mgr.spec, 1, seed=9)[0])
+
+
+@pytest.mark.parametrize(
+    "args",
+    [(0, 4), (4, 0), (-1, 4), (4.0, 4), (True, 4)],
+    ids=["zero_blocks", "zero_block_size", "negative", "float", "bool"],
+)
+def test_constructor_rejects_non_positive_or_non_int_sizes(args):
+    with pytest.raises(ValueError, match="num_blocks|block_size"):
+        RoutedExpertsManager(SPECS[0], *args)
+
+
+def test_constructor_rejects_a_spec_that_is_not_a_routing_spec():
+    with pytest.raises(ValueError, match="RoutingSpec"):
+        RoutedExpertsManager((2, 3, 7), 4, 4)
+
+
+def test_stats_report_capacity_and_slots_written():
+    mgr = make(num_blocks=4, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 6), [0, 1, 2, 5, 5, -1])
+    stats = mgr.stats()
+    assert stats.capacity_bytes == 16 * mgr.spec.bytes_per_token
+    assert stats.slots_written == 4
+    mgr.invalidate_blocks([0])
+    assert mgr.stats().slots_written == 1
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="process RSS is read from /proc")
+def test_slot_buffer_costs_resident_memory_only_for_written_slots():
+    spec = RoutingSpec(num_layers=64, top_k=8, num_experts=128)  # 512 B per token
+    mib = 1 << 20
+    data = routing(spec, 64 * mib // spec.bytes_per_token)  # 64 MiB of routing
+    rss0 = _rss()
+    mgr = RoutedExpertsManager(spec, num_blocks=(2 << 30) // (16 * 512), block_size=16)  # 2 GiB
+    rss1 = _rss()
+    assert mgr.stats().capacity_bytes == 2 << 30
+    assert rss1 - rss0 < 8 * mib, "constructing the store must not touch the buffer"
+    mgr.store_batch(data, np.arange(data.shape[0]) + (1 << 20))
+    rss2 = _rss()
+    assert 56 * mib < rss2 - rss1 < 120 * mib
+    resident = mgr.stats().resident_bytes
+    assert 64 * mib <= resident < 80 * mib
+
+
+# -- store_batch ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "spec, dtype",
+    [(s, d) for s in SPECS for d in INPUT_DTYPES if np.iinfo(d).max >= s.num_experts - 1],
+    ids=lambda x: x.__name__ if isinstance(x, type) else f"{x.num_experts}experts",
+)
+def test_store_batch_accepts_every_input_dtype(spec, dtype):
+    mgr = make(spec)
+    data = routing(spec, 5, dtype=dtype)
+    mgr.store_batch(data, np.array([3, 4, 5, 6, 7]))
+    out = mgr.get([0, 1], 8, 3)
+    assert out.dtype == spec.storage_dtype
+    np.testing.assert_array_equal(out, data.astype(spec.storage_dtype))
+
+
+def test_store_batch_skips_padding_rows_without_checking_them():
+    mgr = make()
+    data = routing(mgr.spec, 4, dtype=np.int32)
+    data[1] = 999  # garbage in a padding row
+    data[3] = -7
+    mgr.store_batch(data, np.array([0, -1, 1, -1]))
+    np.testing.assert_array_equal(mgr.get([0], 2), data[[0, 2]])
+    assert mgr.stats().slots_written == 2
+
+
+def test_store_batch_of_only_padding_writes_nothing():
+    mgr = make()
+    before = Snapshot(mgr)
+    mgr.store_batch(routing(mgr.spec, 3), np.full(3, -1))
+    before.assert_unchanged(mgr)
+
+
+def test_store_batch_of_zero_rows_writes_nothing():
+    mgr = make()
+    before = Snapshot(mgr)
+    mgr.store_batch(np.zeros((0, *mgr.spec.token_shape), np.uint8), np.zeros(0, np.int64))
+    mgr.store_batch(np.zeros((0, *mgr.spec.token_shape), np.uint8), [])
+    before.assert_unchanged(mgr)
+
+
+def test_store_batch_last_write_wins_for_repeated_slots():
+    mgr = make(num_blocks=2, block_size=4)
+    data = routing(mgr.spec, 200, seed=3)
+    slots = np.tile(np.arange(8), 25)[::-1].copy()  # every slot 25 times, out of order
+    mgr.store_batch(data, slots)
+    last = {s: i for i, s in enumerate(slots.tolist())}
+    np.testing.assert_array_equal(mgr.get([0, 1], 8), data[[last[s] for s in range(8)]])
+
+
+def test_store_batch_last_write_wins_when_a_decode_slot_repeats_inside_a_run():
+    mgr = make(num_blocks=16, block_size=4)
+    n = MIN_RUN * 2
+    slots = np.concatenate([np.arange(n), [5, n - 1]])
+    data = routing(mgr.spec, n + 2, seed=4)
+    mgr.store_batch(data, slots)
+    out = mgr.get(list(range(16)), n)
+    np.testing.assert_array_equal(out[5], data[n])
+    np.testing.assert_array_equal(out[n - 1], data[n + 1])
+    np.testing.assert_array_equal(np.delete(out, [5, n - 1], axis=0), np.delete(data[:n], [5, n - 1], axis=0))
+
+
+def test_store_batch_copies_runs_and_scattered_rows_to_their_slots():
+    mgr = make(num_blocks=64, block_size=4)
+    decode = [201, 7, 130]
+    prefill = list(range(40, 40 + 2 * MIN_RUN)) + list(range(140, 140 + MIN_RUN))
+    slots = np.array(decode + prefill + [3])
+    data = routing(mgr.spec, len(slots), seed=5)
+    mgr.store_batch(data, slots)
+    for i, slot in enumerate(slots.tolist()):
+        np.testing.assert_array_equal(mgr.get([slot // 4], slot % 4 + 1, slot % 4)[0], data[i])
+    assert mgr.stats().slots_written == len(slots)
+
+
+def test_store_batch_accepts_slot_mapping_as_a_list():
+    mgr = make()
+    data = routing(mgr.spec, 3)
+    mgr.store_batch(data, [4, -1, 6])
+    np.testing.assert_array_equal(mgr.get([1], 1), data[:1])
+    np.testing.assert_array_equal(mgr.get([1], 3, 2), data[2:])
+
+
+def test_store_batch_accepts_all_256_uint8_ids_when_256_experts():
+    spec = RoutingSpec(num_layers=1, top_k=2, num_experts=256)
+    mgr = make(spec)
+    data = np.array([[[0, 255]]], dtype=np.uint8)
+    mgr.store_batch(data, [0])
+    np.testing.assert_array_equal(mgr.get([0], 1), data)
+
+
+def test_store_batch_overwrite_replaces_routing():
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 4, seed=1), np.arange(4))
+    newer = routing(mgr.spec, 4, seed=2)
+    mgr.store_batch(newer, np.arange(4))
+    np.testing.assert_array_equal(mgr.get([0], 4), newer)
+
+
+@pytest.mark.parametrize(
+    "spec, dtype, value",
+    [
+        (SPECS[0], np.uint8, 7),
+        (SPECS[0], np.int32, 7),
+        (SPECS[0], np.int32, -1),
+        (SPECS[0], np.int64, -(2**40)),
+        (SPECS[0], np.int64, 2**40 + 1),
+        (SPECS[1], np.uint16, 256),  # would wrap to 0 in uint8 storage
+        (SPECS[1], np.int32, 256 + 3),
+        (SPECS[2], np.uint16, 300),
+        (SPECS[2], np.int32, 65536 + 5),  # would wrap to 5 in uint16 storage
+    ],
+)
+def test_store_batch_rejects_expert_id_outside_range_and_writes_nothing(spec, dtype, value):
+    mgr = make(spec)
+    data = routing(spec, 3, dtype=dtype)
+    data[2, -1, 0] = value
+    before = Snapshot(mgr)
+    with pytest.raises(ValueError, match=rf"expert id {value} at row 2 \(slot 9\), layer {spec.num_layers - 1}, k 0"):
+        mgr.store_batch(data, np.array([0, 1, 9]))
+    before.assert_unchanged(mgr)
+
+
+def test_store_batch_rejects_slot_beyond_capacity_and_writes_nothing():
+    mgr = make(num_blocks=2, block_size=4)
+    before = Snapshot(mgr)
+    with pytest.raises(IndexError, match=r"slot 8 \(row 1\) is out of range: the store has 8 slots"):
+        mgr.store_batch(routing(mgr.spec, 3), np.array([0, 8, 1]))
+    before.assert_unchanged(mgr)
+
+
+@pytest.mark.parametrize(
+    "shape, slots_shape, match",
+    [
+        ((3, 2), (3,), r"data must have shape \(N, 2, 3\)"),
+        ((3, 3, 3), (3,), r"data must have shape \(N, 2, 3\)"),
+        ((3, 2, 2), (3,), r"data must have shape \(N, 2, 3\)"),
+        ((3, 2, 3, 1), (3,), r"data must have shape \(N, 2, 3\)"),
+        ((3, 2, 3), (2,), r"slot_mapping must have shape \(3,\)"),
+        ((3, 2, 3), (3, 1), r"slot_mapping must have shape \(3,\)"),
+    ],
+)
+def test_store_batch_rejects_wrong_shapes_and_writes_nothing(shape, slots_shape, match):
+    mgr = make()
+    before = Snapshot(mgr)
+    with pytest.raises(ValueError, match=match):
+        mgr.store_batch(np.zeros(shape, np.uint8), np.zeros(slots_shape, np.int64))
+    before.assert_unchanged(mgr)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int8, np.int16, np.uint32, np.bool_, ">i4"])
+def test_store_batch_rejects_other_data_dtypes(dtype):
+    mgr = make()
+    before = Snapshot(mgr)
+    with pytest.raises(ValueError, match="data dtype must be one of uint8, uint16, int32, int64"):
+        mgr.store_batch(np.zeros((1, 2, 3), dtype), np.zeros(1, np.int64))
+    before.assert_unchanged(mgr)
+
+
+def test_store_batch_rejects_float_slots():
+    mgr = make()
+    with pytest.raises(ValueError, match="slot_mapping must hold integers"):
+        mgr.store_batch(routing(mgr.spec, 2), np.array([0.0, 1.0]))
+
+
+def test_store_batch_rejects_data_that_is_not_an_array():
+    mgr = make()
+    with pytest.raises(ValueError, match="data must be a numpy array, got list"):
+        mgr.store_batch(routing(mgr.spec, 1).tolist(), [0])
+
+
+# -- get ------------------------------------------------------------------------------
+
+
+def test_get_reads_tokens_through_the_block_table():
+    mgr = make(num_blocks=8, block_size=4)
+    data = routing(mgr.spec, 10)
+    blocks = [6, 1, 3]
+    slots = [blocks[t // 4] * 4 + t % 4 for t in range(10)]
+    mgr.store_batch(data, slots)
+    np.testing.assert_array_equal(mgr.get(blocks, 10), data)
+    np.testing.assert_array_equal(mgr.get(np.array(blocks, dtype=np.int32), 10), data)
+
+
+def test_get_token_start_skips_leading_tokens():
+    mgr = make(num_blocks=8, block_size=4)
+    data = routing(mgr.spec, 12)
+    mgr.store_batch(data, np.arange(12) + 8)
+    np.testing.assert_array_equal(mgr.get([2, 3, 4], 11, 5), data[5:11])
+    assert mgr.get([2, 3, 4], 11, 11).shape == (0, *mgr.spec.token_shape)
+
+
+def test_get_of_zero_tokens_returns_an_empty_array():
+    mgr = make()
+    out = mgr.get([], 0)
+    assert out.shape == (0, *mgr.spec.token_shape) and out.dtype == mgr.spec.storage_dtype
+
+
+def test_get_returns_a_copy_that_later_writes_do_not_change():
+    mgr = make()
+    data = routing(mgr.spec, 4, seed=1)
+    mgr.store_batch(data, np.arange(4))
+    out = mgr.get([0], 4, 1)
+    assert not np.shares_memory(out, mgr.routed_experts_by_slot)
+    mgr.store_batch(routing(mgr.spec, 4, seed=2), np.arange(4))
+    mgr.invalidate_blocks([0])
+    np.testing.assert_array_equal(out, data[1:])
+    out[:] = 0  # the copy is the caller's
+    assert mgr.stats().slots_written == 0
+
+
+def test_get_raises_for_never_written_slots_naming_the_tokens():
+    mgr = make(num_blocks=8, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 6), [0, 1, 2, 3, 4, 6])
+    with pytest.raises(MissingRoutingError, match=r"no routing stored for 3 of tokens 0-8: tokens 5, 7-8"):
+        mgr.get([0, 1, 2], 9)
+
+
+def test_missing_routing_error_is_a_lookup_error():
+    mgr = make()
+    with pytest.raises(LookupError):
+        mgr.get([0], 1)
+
+
+def test_get_raises_after_block_invalidated():
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 8), np.arange(8))
+    mgr.invalidate_blocks([1])
+    np.testing.assert_array_equal(mgr.get([0], 4), routing(mgr.spec, 8)[:4])
+    with pytest.raises(MissingRoutingError, match="tokens 4-7"):
+        mgr.get([0, 1], 8)
+
+
+def test_store_after_invalidation_makes_only_rewritten_slots_readable():
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 4), np.arange(4))
+    mgr.invalidate_blocks(np.array([0]))
+    newer = routing(mgr.spec, 2, seed=7)
+    mgr.store_batch(newer, [0, 1])
+    np.testing.assert_array_equal(mgr.get([0], 2), newer)
+    with pytest.raises(MissingRoutingError, match="tokens 2-3"):
+        mgr.get([0], 4)
+
+
+@pytest.mark.parametrize("blocks", [[0, 8], [-1], np.array([9], dtype=np.uint64)], ids=["beyond", "negative", "uint64"])
+def test_get_rejects_block_id_out_of_range(blocks):
+    mgr = make(num_blocks=8)
+    with pytest.raises(IndexError, match=r"block id -?\d+ \(position \d\) is out of range \[0, 8\)"):
+        mgr.get(blocks, 1)
+
+
+@pytest.mark.parametrize(
+    "blocks, num_tokens, token_start, match",
+    [
+        ([0, 1], 9, 0, r"num_tokens must be in \[0, 8\] for 2 blocks of 4, got 9"),
+        ([0], -1, 0, r"num_tokens must be in \[0, 4\]"),
+        ([0], 2, 3, r"token_start must be in \[0, 2\] \(num_tokens\), got 3"),
+        ([0], 2, -1, r"token_start must be in \[0, 2\]"),
+        ([0.0, 1.0], 1, 0, "block_ids must hold integers"),
+        ([[0, 1]], 1, 0, r"block_ids must be 1-D"),
+        ([0], 1.5, 0, "num_tokens must be an int"),
+        ([0], 1, None, "token_start must be an int"),
+    ],
+)
+def test_get_rejects_bad_arguments(blocks, num_tokens, token_start, match):
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 8), np.arange(8))
+    with pytest.raises(ValueError, match=match):
+        mgr.get(blocks, num_tokens, token_start)
+
+
+# -- invalidate_blocks ----------------------------------------------------------------
+
+
+def test_invalidate_blocks_rejects_out_of_range_ids_and_changes_nothing():
+    mgr = make(num_blocks=4)
+    mgr.store_batch(routing(mgr.spec, 16), np.arange(16))
+    before = Snapshot(mgr)
+    with pytest.raises(IndexError, match=r"block id 4 \(position 1\)"):
+        mgr.invalidate_blocks([0, 4])
+    with pytest.raises(ValueError, match="block_ids must hold integers"):
+        mgr.invalidate_blocks([0.5])
+    before.assert_unchanged(mgr)
+
+
+def test_invalidate_blocks_of_unwritten_block_is_harmless():
+    mgr = make()
+    mgr.invalidate_blocks([3, 3])
+    mgr.store_batch(routing(mgr.spec, 4), np.arange(12, 16))
+    np.testing.assert_array_equal(mgr.get([3], 4), routing(mgr.spec, 4))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    spec=st.sampled_from(SPECS),
+    dtype=st.sampled_from(INPUT_DTYPES),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
+    """The slice path (runs of >= MIN_RUN consecutive slots) and the scatter path
+    agree with a plain dict, with repeats and padding mixed in."""
+    if np.iinfo(dtype).max < spec.num_experts - 1:
+        dtype = np.int32
+    mgr = RoutedExpertsManager(spec, num_blocks=40, block_size=8)
+    slots = data.draw(slot_mappings(mgr.num_slots, max_len=300))
+    rows = routing(spec, len(slots), seed=seed, dtype=dtype)
+    mgr.store_batch(rows, slots)
+    ref = {s: rows[i] for i, s in enumerate(slots.tolist()) if s >= 0}
+    buffer = mgr.routed_experts_by_slot
+    for slot, row in ref.items():
+        np.testing.assert_array_equal(buffer[slot], row)
+    assert mgr.stats().slots_written == len(ref)
