@@ -7,6 +7,7 @@ bytes): encoding is one copy of the bytes, decoding is none.
 
 from __future__ import annotations
 
+import re
 import sys
 from typing import Annotated, Literal
 
@@ -30,7 +31,7 @@ _Dim = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 _PositiveDim = Annotated[int, msgspec.Meta(ge=1, le=2**20)]
 
 
-class _Payload(msgspec.Struct, array_like=True, gc=False):
+class _Payload(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """The msgpack layout of one step. ``memoryview`` fields decode zero-copy."""
 
     format: Literal["slotroute.step/1"]
@@ -154,7 +155,7 @@ class RoutedExpertsLists(msgspec.Struct, frozen=True, gc=False):
         try:
             payload = _DECODER.decode(buf)
         except msgspec.DecodeError as exc:
-            raise ValueError(f"corrupt RoutedExpertsLists payload: {exc}") from None
+            raise ValueError(f"corrupt RoutedExpertsLists payload: {_name_field(str(exc))}") from None
         num_tokens, num_layers, top_k = payload.routing_shape
         routing_dtype = np.dtype(payload.routing_dtype)
         slot_dtype = np.dtype(payload.slot_dtype)
@@ -173,3 +174,12 @@ class RoutedExpertsLists(msgspec.Struct, frozen=True, gc=False):
         data = np.frombuffer(payload.routing, dtype=routing_dtype)
         slots = np.frombuffer(payload.slots, dtype=slot_dtype)
         return cls(data.reshape(num_tokens, num_layers, top_k), slots)
+
+
+def _name_field(message: str) -> str:
+    """msgspec locates errors in array-like structs by index (``$[2][0]``); add the
+    field's name."""
+    found = re.search(r"\$\[(\d+)\]", message)
+    if found is None or int(found.group(1)) >= len(_Payload.__struct_fields__):
+        return message
+    return f"{message} (field {_Payload.__struct_fields__[int(found.group(1))]})"
