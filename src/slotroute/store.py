@@ -90,6 +90,8 @@ class RoutedExpertsManager:
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
         self._iota = np.arange(1, 1, dtype=np.int64)
+        # Reused for casting wide input: a fresh array per step would page-fault.
+        self._narrow = np.empty((0, layers, top_k), dtype=spec.storage_dtype)
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
@@ -136,14 +138,20 @@ class RoutedExpertsManager:
         n = slots.shape[0]
         if n == 0:
             return
-        data = data.astype(self._buffer.dtype, copy=False)
+        if data.dtype != self._buffer.dtype:
+            data = self._narrowed(data)
+        if n == 1:  # a decode step: bounded by Python call overhead, keep it short
+            self._last_stamp += 1
+            self._stamp[slots[0]] = self._last_stamp
+            self._buffer[slots[0]] = data[0]
+            return
         runs = _contiguous_runs(slots)
         stamps = self._next_stamps(n)
         _scatter(self._stamp, slots, stamps, runs)
         # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
         # order numpy scattered a repeated slot in; all stamps of this batch are
         # newer than any invalidation, so the state is right either way.
-        if n > 1 and not np.array_equal(self._stamp[slots], stamps):
+        if not np.array_equal(self._stamp[slots], stamps):
             data, slots = _last_write_per_slot(data, slots)
             runs = _contiguous_runs(slots)
         _scatter(self._buffer, slots, data, runs)
@@ -189,11 +197,13 @@ class RoutedExpertsManager:
         used = blocks[first : -(-num_tokens // self.block_size)]
         lo = token_start - first * self.block_size
         hi = num_tokens - first * self.block_size
-        written = self._stamp_by_block[used] > self._invalidated_at[used, None]
+        # Block ids are checked: mode="clip" skips numpy's per-index bounds check.
+        stamps = np.take(self._stamp_by_block, used, axis=0, mode="clip")
+        written = stamps > np.take(self._invalidated_at, used, mode="clip")[:, None]
         written = written.reshape(-1)[lo:hi]
         if not written.all():
             raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
-        out = np.take(self._by_block, used, axis=0)
+        out = np.take(self._by_block, used, axis=0, mode="clip")
         return out.reshape(-1, *self.spec.token_shape)[lo:hi]
 
     def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
@@ -248,14 +258,18 @@ class RoutedExpertsManager:
             slots = slots.astype(np.int64)
         if slots.shape[0] == 0:
             return data, slots
-        top = slots.max()
+        if slots.shape[0] <= 16:  # decode steps: Python's min/max beat two reductions
+            values = slots.tolist()
+            low, top = min(values), max(values)
+        else:
+            low, top = slots.min(), slots.max()
         if top >= self.num_slots:
             row = int(np.argmax(slots >= self.num_slots))
             raise IndexError(
                 f"slot {int(slots[row])} (row {row}) is out of range: the store has "
                 f"{self.num_slots} slots ({self.num_blocks} blocks of {self.block_size})"
             )
-        if slots.dtype.kind == "i" and slots.min() < 0:
+        if low < 0:
             data, slots = _drop_padding(data, slots)
         if self._check_ids[data.dtype] and data.size:
             unsigned = data.view(_UNSIGNED[data.dtype.itemsize])
@@ -280,6 +294,16 @@ class RoutedExpertsManager:
         return blocks
 
     # -- the write itself (arguments already valid) ---------------------------------
+
+    def _narrowed(self, data: np.ndarray) -> np.ndarray:
+        """``data`` (already range-checked) cast to the storage dtype, in a scratch
+        buffer reused across calls. One contiguous pass, bounded by memory bandwidth."""
+        n = data.shape[0]
+        if self._narrow.shape[0] < n:
+            self._narrow = np.empty((max(n, 2 * self._narrow.shape[0]), *data.shape[1:]), self._buffer.dtype)
+        out = self._narrow[:n]
+        np.copyto(out, data, casting="unsafe")
+        return out
 
     def _next_stamps(self, n: int) -> np.ndarray:
         """Stamps for the next ``n`` rows, in row order (a view of a cached range)."""
