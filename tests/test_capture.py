@@ -175,6 +175,11 @@ def test_capturer_refuses_a_non_positive_max_num_tokens(max_num_tokens):
         RoutedExpertsCapturer(SPEC, max_num_tokens=max_num_tokens, device="cpu")
 
 
+def test_topk_ids_on_another_device_raise_value_error(cap):
+    with pytest.raises(ValueError, match="must be on cpu"):
+        cap.capture(0, torch.zeros((3, SPEC.top_k), dtype=torch.int32, device="meta"))
+
+
 def test_capturer_refuses_a_device_other_than_cpu_or_cuda():
     with pytest.raises(ValueError, match="'cpu' or a CUDA device"):
         RoutedExpertsCapturer(SPEC, max_num_tokens=4, device="meta")
@@ -298,6 +303,11 @@ def test_snapshot_refuses_num_tokens_beyond_the_buffer(cap, num_tokens):
 def test_snapshot_refuses_a_slot_mapping_of_the_wrong_shape_or_dtype(cap, slot_mapping):
     with pytest.raises(ValueError, match=r"slot_mapping must be integers of shape \(5,\)"):
         cap.snapshot(5, slot_mapping)
+
+
+def test_snapshot_refuses_a_slot_mapping_on_another_device(cap):
+    with pytest.raises(ValueError, match="slot_mapping must be on cpu, got meta"):
+        cap.snapshot(5, torch.zeros(5, dtype=torch.int64, device="meta"))
 
 
 def test_snapshot_refuses_a_bool_num_tokens(cap):

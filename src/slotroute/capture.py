@@ -222,7 +222,8 @@ class PendingSnapshot:
 
     It owns the pinned host memory its copy lands in, so it stays valid however many
     later snapshots are taken before :meth:`result`. The first :meth:`result` call
-    resolves it; later calls return the same object (or raise the same error).
+    resolves it; later calls return the same object (or raise the same error). Made by
+    :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
     """
 
     __slots__ = ("_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_result", "_error")
@@ -493,7 +494,8 @@ class RoutedExpertsCapturer:
         on_device = isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu"
         if isinstance(slot_mapping, torch.Tensor):
             if on_device and slot_mapping.device != self._device:
-                raise ValueError(f"slot_mapping must be on cpu or {self._device}, got {slot_mapping.device}")
+                where = "cpu" if self._device.type == "cpu" else f"cpu or {self._device}"
+                raise ValueError(f"slot_mapping must be on {where}, got {slot_mapping.device}")
             dtype_ok = not slot_mapping.dtype.is_floating_point and not slot_mapping.dtype.is_complex
             dtype_ok = dtype_ok and slot_mapping.dtype != torch.bool
             shape, dtype = tuple(slot_mapping.shape), slot_mapping.dtype
