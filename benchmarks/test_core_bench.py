@@ -1,0 +1,66 @@
+"""pytest-benchmark for the core: store_batch, get and the wire format on each preset,
+next to the vLLM-style baseline and a memcpy of the same bytes (same workloads as
+``slotroute bench``). ``pytest benchmarks --benchmark-enable`` measures; without it
+each case runs once as a smoke test."""
+
+from __future__ import annotations
+
+import pytest
+
+from slotroute import bench
+
+PRESETS = list(bench.PRESETS)
+
+
+@pytest.fixture(scope="module", params=PRESETS)
+def preset(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def step_workload(preset):
+    return bench.make_store_workload(bench.PRESETS[preset])
+
+
+@pytest.fixture(scope="module")
+def store_cases(step_workload):
+    return bench.store_cases(step_workload)
+
+
+@pytest.fixture(scope="module")
+def one_token_cases(preset):
+    return bench.store_cases(bench.make_store_workload(bench.PRESETS[preset], num_tokens=1))
+
+
+@pytest.fixture(scope="module")
+def get_cases(preset):
+    return bench.get_cases(bench.make_get_workload(bench.PRESETS[preset]))
+
+
+def run(benchmark, group: str, fn):
+    benchmark.group = group
+    bench.warm_up(fn)
+    return benchmark(fn)
+
+
+@pytest.mark.parametrize("case", ["narrow", "int32", "baseline", "memcpy"])
+def test_store_batch_of_an_8192_token_step(benchmark, preset, store_cases, case):
+    run(benchmark, f"store_batch 8192 tok {preset}", store_cases[case])
+
+
+@pytest.mark.parametrize("case", ["narrow", "baseline"])
+def test_store_batch_of_one_decode_token(benchmark, preset, one_token_cases, case):
+    run(benchmark, f"store_batch 1 tok {preset}", one_token_cases[case])
+
+
+@pytest.mark.parametrize("case", ["ours", "baseline", "memcpy"])
+def test_get_of_a_32768_token_request(benchmark, preset, get_cases, case):
+    out = run(benchmark, f"get 32768 tok {preset}", get_cases[case])
+    assert out.shape == (bench.REQUEST_TOKENS, *bench.PRESETS[preset].token_shape)
+
+
+@pytest.mark.parametrize("case", ["encode+decode", "memcpy"])
+def test_encode_and_decode_of_an_8192_token_step(benchmark, preset, step_workload, case):
+    out = run(benchmark, f"wire 8192 tok {preset}", bench.wire_cases(step_workload)[case])
+    if case == "encode+decode":
+        assert out.routing_data.shape == step_workload.data.shape
