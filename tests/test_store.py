@@ -242,6 +242,15 @@ def test_slot_buffer_costs_resident_memory_only_for_written_slots():
     assert 64 * mib <= resident < 80 * mib
 
 
+def test_resident_bytes_fall_back_to_written_slots_without_mincore(monkeypatch):
+    from slotroute import store
+
+    monkeypatch.setattr(store, "_MINCORE", None)
+    mgr = make()
+    mgr.store_batch(routing(mgr.spec, 3), [0, 9, 17])
+    assert mgr.stats().resident_bytes == 3 * mgr.spec.bytes_per_token
+
+
 # -- store_batch ----------------------------------------------------------------------
 
 
@@ -424,6 +433,14 @@ def test_get_reads_tokens_through_the_block_table():
     mgr.store_batch(data, slots)
     np.testing.assert_array_equal(mgr.get(blocks, 10), data)
     np.testing.assert_array_equal(mgr.get(np.array(blocks, dtype=np.int32), 10), data)
+
+
+@pytest.mark.parametrize("dtype", [np.int16, np.int32, np.int64, np.uint8, np.uint64])
+def test_get_accepts_block_ids_of_any_integer_dtype(dtype):
+    mgr = make(num_blocks=8, block_size=4)
+    data = routing(mgr.spec, 8)
+    mgr.store_batch(data, np.arange(20, 28))
+    np.testing.assert_array_equal(mgr.get(np.array([6, 5], dtype=dtype), 8), np.concatenate([data[4:], data[:4]]))
 
 
 def test_get_token_start_skips_leading_tokens():
