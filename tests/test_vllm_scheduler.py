@@ -1,0 +1,121 @@
+"""The scheduler-side ordering argument of docs/vllm.md, on vLLM's real BlockPool and
+slotroute's real store: a block handed out for new data in step ``s`` is invalidated
+when step ``s``'s output arrives, not earlier and not later.
+
+Steps are driven by hand in the order vLLM's engine core uses them; with async
+scheduling ``schedule()`` of step ``s + 1`` runs before ``update_from_output`` of
+step ``s``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from slotroute.spec import MissingRoutingError, RoutingSpec
+from slotroute.store import RoutedExpertsManager
+
+pytestmark = pytest.mark.vllm
+
+SPEC = RoutingSpec(num_layers=2, top_k=2, num_experts=8)
+BLOCK = 4
+
+
+@pytest.fixture
+def pool_and_routing():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from slotroute.vllm.patches import apply
+    from slotroute.vllm.scheduler import _WATCHER_ATTR, SchedulerRouting, scheduler_patches
+
+    apply(scheduler_patches())  # what register() installs; idempotent
+    pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BLOCK)
+    routing = SchedulerRouting(RoutedExpertsManager(SPEC, num_blocks=6, block_size=BLOCK), attn_gid=0)
+    setattr(pool, _WATCHER_ATTR, routing.on_new_blocks)
+    return pool, routing
+
+
+def rows(value: int, n: int = BLOCK) -> np.ndarray:
+    return np.full((n, *SPEC.token_shape), value, dtype=np.uint8)
+
+
+def slots_of(block_id: int, n: int = BLOCK) -> np.ndarray:
+    return block_id * BLOCK + np.arange(n)
+
+
+def schedule(routing, pool, num_blocks: int):
+    """One ``schedule()``: allocate blocks, seal the step."""
+    blocks = pool.get_new_blocks(num_blocks)
+    step = SimpleNamespace()
+    routing.seal_step(step)
+    return step, [b.block_id for b in blocks]
+
+
+def test_a_block_handed_out_is_unreadable_once_its_step_output_arrives(pool_and_routing):
+    pool, routing = pool_and_routing
+    step, (block,) = schedule(routing, pool, 1)
+    routing.before_output(step)
+    routing.store_batch(rows(3), slots_of(block))
+    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(3))
+    pool.free_blocks([pool.blocks[block]])
+    step2, (again,) = schedule(routing, pool, 1)
+    assert again == block  # vLLM reuses the freed block first
+    routing.before_output(step2)
+    with pytest.raises(MissingRoutingError):
+        routing.store.get([block], BLOCK)
+
+
+def test_an_output_in_flight_still_serves_the_previous_owner(pool_and_routing):
+    """Async scheduling: step 2 hands A's freed block to B before step 1's output
+    (A's last tokens) arrives. A's read at step 1 sees A's routing; B's at step 2
+    sees none of A's rows."""
+    pool, routing = pool_and_routing
+    step1, (block,) = schedule(routing, pool, 1)
+    pool.free_blocks([pool.blocks[block]])  # A preempted while step 1 runs
+    step2, (reused,) = schedule(routing, pool, 1)
+    assert reused == block
+    routing.before_output(step1)
+    routing.store_batch(rows(5), slots_of(block))  # A's routing from step 1
+    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(5))
+    routing.before_output(step2)
+    routing.store_batch(rows(6, 2), slots_of(block, 2))  # B writes half the block
+    np.testing.assert_array_equal(routing.get([block], 2), rows(6, 2))
+    with pytest.raises(MissingRoutingError):
+        routing.store.get([block], BLOCK)
+
+
+def test_a_prefix_cache_hit_keeps_the_routing_of_its_blocks(pool_and_routing):
+    pool, routing = pool_and_routing
+    step, (block,) = schedule(routing, pool, 1)
+    routing.before_output(step)
+    routing.store_batch(rows(7), slots_of(block))
+    pool.free_blocks([pool.blocks[block]])
+    pool.touch([pool.blocks[block]])  # a hit re-exposes the block; nothing handed out
+    step2 = SimpleNamespace()
+    routing.seal_step(step2)
+    routing.before_output(step2)
+    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(7))
+
+
+def test_an_untagged_output_applies_every_pending_invalidation(pool_and_routing):
+    pool, routing = pool_and_routing
+    first, (a,) = schedule(routing, pool, 1)
+    routing.before_output(first)
+    routing.store_batch(rows(1), slots_of(a))
+    pool.free_blocks([pool.blocks[a]])
+    schedule(routing, pool, 1)  # hands `a` out again, output not yet arrived
+    routing.before_output(SimpleNamespace())  # unknown step: invalidate everything queued
+    with pytest.raises(MissingRoutingError):
+        routing.store.get([a], BLOCK)
+
+
+def test_a_missing_read_returns_an_empty_marker_and_records_the_error(pool_and_routing):
+    pool, routing = pool_and_routing
+    step, (block,) = schedule(routing, pool, 1)
+    routing.before_output(step)
+    marker = routing.get([block], BLOCK)
+    assert marker.shape == (0, *SPEC.token_shape)
+    assert [m is marker for m, _ in routing._missing] == [True]
+    assert isinstance(routing._missing[0][1], MissingRoutingError)
