@@ -326,6 +326,20 @@ def test_store_batch_copies_runs_and_scattered_rows_to_their_slots():
     assert mgr.stats().slots_written == len(slots)
 
 
+@pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(dtype):
+    from slotroute.wire import RoutedExpertsLists
+
+    spec = SPECS[2] if dtype != np.uint8 else SPECS[1]
+    mgr = make(spec, num_blocks=16, block_size=4)
+    data = routing(spec, 50, dtype=dtype)
+    slots = np.arange(50, dtype=np.int64)[::-1].copy()
+    step = RoutedExpertsLists.decode(RoutedExpertsLists(data, slots).encode())
+    assert not step.routing_data.flags.writeable
+    mgr.store_batch(step.routing_data, step.slot_mapping)
+    np.testing.assert_array_equal(mgr.get(list(range(13)), 50), data[::-1])
+
+
 def test_store_batch_accepts_slot_mapping_as_a_list():
     mgr = make()
     data = routing(mgr.spec, 3)

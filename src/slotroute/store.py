@@ -28,6 +28,9 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
 MIN_RUN = 32
 MAX_RUNS = 64
+# Below this many rows a batch is scattered whole: finding runs would cost more
+# (several numpy calls) than it saves.
+RUNS_FROM = 256
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -76,7 +79,7 @@ class RoutedExpertsManager:
         self.num_blocks = _positive_int("num_blocks", num_blocks)
         self.block_size = _positive_int("block_size", block_size)
         self.num_slots = self.num_blocks * self.block_size
-        layers, top_k = spec.token_shape
+        layers, top_k = self._token_shape = spec.token_shape
         self._buffer = np.zeros((self.num_slots, layers, top_k), dtype=spec.storage_dtype)
         self._by_block = self._buffer.reshape(self.num_blocks, self.block_size, layers, top_k)
         # NOTE 1: written state is kept as stamps. Every stored row gets a stamp
@@ -145,15 +148,15 @@ class RoutedExpertsManager:
             self._stamp[slots[0]] = self._last_stamp
             self._buffer[slots[0]] = data[0]
             return
-        runs = _contiguous_runs(slots)
+        runs = _contiguous_runs(slots) if n >= RUNS_FROM else []
         stamps = self._next_stamps(n)
         _scatter(self._stamp, slots, stamps, runs)
         # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
         # order numpy scattered a repeated slot in; all stamps of this batch are
         # newer than any invalidation, so the state is right either way.
-        if not np.array_equal(self._stamp[slots], stamps):
+        if not (self._stamp[slots] == stamps).all():
             data, slots = _last_write_per_slot(data, slots)
-            runs = _contiguous_runs(slots)
+            runs = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
         _scatter(self._buffer, slots, data, runs)
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
@@ -204,7 +207,7 @@ class RoutedExpertsManager:
         if not written.all():
             raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
         out = np.take(self._by_block, used, axis=0, mode="clip")
-        return out.reshape(-1, *self.spec.token_shape)[lo:hi]
+        return out.reshape(-1, *self._token_shape)[lo:hi]
 
     def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Mark every slot of these blocks unwritten: :meth:`get` of them raises
@@ -245,7 +248,7 @@ class RoutedExpertsManager:
         slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else np.asarray(slot_mapping)
         if data.dtype not in self._check_ids:
             raise ValueError(f"data dtype must be one of uint8, uint16, int32, int64, got {data.dtype}")
-        if data.ndim != 3 or data.shape[1:] != self.spec.token_shape:
+        if data.ndim != 3 or data.shape[1:] != self._token_shape:
             raise ValueError(
                 f"data must have shape (N, {self.spec.num_layers}, {self.spec.top_k}) "
                 f"(N, num_layers, top_k), got {data.shape}"
@@ -262,7 +265,7 @@ class RoutedExpertsManager:
             values = slots.tolist()
             low, top = min(values), max(values)
         else:
-            low, top = slots.min(), slots.max()
+            low, top = np.minimum.reduce(slots), np.maximum.reduce(slots)
         if top >= self.num_slots:
             row = int(np.argmax(slots >= self.num_slots))
             raise IndexError(
@@ -273,7 +276,7 @@ class RoutedExpertsManager:
             data, slots = _drop_padding(data, slots)
         if self._check_ids[data.dtype] and data.size:
             unsigned = data.view(_UNSIGNED[data.dtype.itemsize])
-            if unsigned.max() >= self.spec.num_experts:
+            if np.maximum.reduce(unsigned, axis=None) >= self.spec.num_experts:
                 raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
         return data, slots
 
@@ -285,9 +288,8 @@ class RoutedExpertsManager:
             return blocks.astype(np.intp)
         if blocks.dtype.kind not in "iu":
             raise ValueError(f"block_ids must hold integers, got dtype {blocks.dtype}")
-        bad = (blocks < 0) | (blocks >= self.num_blocks)
-        if bad.any():
-            i = int(np.argmax(bad))
+        if np.minimum.reduce(blocks) < 0 or np.maximum.reduce(blocks) >= self.num_blocks:
+            i = int(np.argmax((blocks < 0) | (blocks >= self.num_blocks)))
             raise IndexError(
                 f"block id {int(blocks[i])} (position {i}) is out of range [0, {self.num_blocks})"
             )
@@ -321,11 +323,10 @@ def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     At most MAX_RUNS of them, the first ones in row order; rows outside any run are
     scattered token by token, so any subset is correct."""
     n = slots.shape[0]
-    if n < MIN_RUN:
-        return []
-    bounds = np.flatnonzero(slots[1:] - slots[:-1] != 1) + 1
-    bounds = np.concatenate(([0], bounds, [n]))
-    long = np.flatnonzero(np.diff(bounds) >= MIN_RUN)[:MAX_RUNS]
+    # Rows where the +1 stepping breaks; runs lie between consecutive breaks.
+    breaks = (slots[1:] - slots[:-1] != 1).nonzero()[0] + 1
+    bounds = np.concatenate(([0], breaks, [n]))
+    long = (bounds[1:] - bounds[:-1] >= MIN_RUN).nonzero()[0][:MAX_RUNS]
     return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
 
 
