@@ -93,8 +93,6 @@ class RoutedExpertsManager:
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
         self._iota = np.arange(1, 1, dtype=np.int64)
-        # Reused for casting wide input: a fresh array per step would page-fault.
-        self._narrow = np.empty((0, layers, top_k), dtype=spec.storage_dtype)
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
@@ -141,8 +139,6 @@ class RoutedExpertsManager:
         n = slots.shape[0]
         if n == 0:
             return
-        if data.dtype != self._buffer.dtype:
-            data = self._narrowed(data)
         if n == 1:  # a decode step: bounded by Python call overhead, keep it short
             self._last_stamp += 1
             self._stamp[slots[0]] = self._last_stamp
@@ -297,16 +293,6 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
-    def _narrowed(self, data: np.ndarray) -> np.ndarray:
-        """``data`` (already range-checked) cast to the storage dtype, in a scratch
-        buffer reused across calls. One contiguous pass, bounded by memory bandwidth."""
-        n = data.shape[0]
-        if self._narrow.shape[0] < n:
-            self._narrow = np.empty((max(n, 2 * self._narrow.shape[0]), *data.shape[1:]), self._buffer.dtype)
-        out = self._narrow[:n]
-        np.copyto(out, data, casting="unsafe")
-        return out
-
     def _next_stamps(self, n: int) -> np.ndarray:
         """Stamps for the next ``n`` rows, in row order (a view of a cached range)."""
         if self._iota.shape[0] < n:
@@ -331,7 +317,8 @@ def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _scatter(dst: np.ndarray, slots: np.ndarray, rows: np.ndarray, runs: list[tuple[int, int]]) -> None:
-    """``dst[slots] = rows`` for distinct slots, with each run copied as one slice.
+    """``dst[slots] = rows`` for distinct slots, with each run copied as one slice;
+    wider rows are cast on the way (checked ids fit).
 
     Bounded by memory bandwidth on runs, and by the latency of scattered writes
     elsewhere; the loop is bounded by MAX_RUNS."""
