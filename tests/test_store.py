@@ -340,6 +340,25 @@ def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(d
     np.testing.assert_array_equal(mgr.get(list(range(13)), 50), data[::-1])
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int16])
+def test_store_batch_accepts_slot_mappings_of_any_integer_dtype(dtype):
+    mgr = make(num_blocks=80, block_size=4)
+    # 256 rows, 1..255 then 0: in uint8, 0 - 255 wraps to +1, which must not
+    # be taken for a continuing run.
+    slots = np.concatenate([np.arange(1, 256), [0]]).astype(dtype)
+    data = routing(mgr.spec, 256, seed=8)
+    mgr.store_batch(data, slots)
+    np.testing.assert_array_equal(mgr.get(list(range(64)), 256), np.roll(data, 1, axis=0))
+    assert mgr.stats().slots_written == 256
+
+
+def test_missing_routing_message_summarises_many_gaps():
+    mgr = make(num_blocks=64, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 128), np.arange(0, 256, 2))
+    with pytest.raises(MissingRoutingError, match=r"128 of tokens 0-255: tokens 1, 3, 5, 7, 9, 11, 13, 15, \.\.\. \(120 more ranges\)"):
+        mgr.get(list(range(64)), 256)
+
+
 def test_store_batch_accepts_slot_mapping_as_a_list():
     mgr = make()
     data = routing(mgr.spec, 3)

@@ -57,7 +57,7 @@ class RoutedExpertsManager:
     ``[0, spec.num_experts)``. The buffer is ``np.zeros`` of the whole pool, which
     the OS pages in lazily: it costs memory only for the pages actually written.
     Every method validates its arguments before touching any state, so a call that
-    raises has changed nothing.
+    raises has changed nothing. Not thread-safe: one scheduler thread drives it.
 
     Parameters
     ----------
@@ -160,7 +160,8 @@ class RoutedExpertsManager:
         token ``t`` lives in block ``block_ids[t // block_size]``.
 
         Only the blocks covering the range are read, each as one contiguous copy;
-        bounded by memory bandwidth.
+        bounded by memory bandwidth, and by memory latency at each block boundary
+        when the blocks are scattered over the pool.
 
         Returns
         -------
@@ -270,6 +271,8 @@ class RoutedExpertsManager:
             )
         if low < 0:
             data, slots = _drop_padding(data, slots)
+        if slots.dtype.kind == "u":  # in range now; signed so slot differences cannot wrap
+            slots = slots.astype(np.int64)
         if self._check_ids[data.dtype] and data.size:
             unsigned = data.view(_UNSIGNED[data.dtype.itemsize])
             if np.maximum.reduce(unsigned, axis=None) >= self.spec.num_experts:
@@ -362,11 +365,12 @@ def _bad_expert_message(data: np.ndarray, slots: np.ndarray, num_experts: int) -
 def _missing_message(written: np.ndarray, token_start: int, num_tokens: int) -> str:
     missing = np.flatnonzero(~written) + token_start
     # Collapse into ranges "a-b" so a long gap stays readable.
-    cut = np.flatnonzero(np.diff(missing) != 1) + 1
-    spans = [(int(run[0]), int(run[-1])) for run in np.split(missing, cut)]
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans[:8])
-    if len(spans) > 8:
-        text += f", ... ({len(spans) - 8} more ranges)"
+    cut = np.flatnonzero(missing[1:] - missing[:-1] != 1)
+    firsts = np.concatenate((missing[:1], missing[cut + 1]))[:8].tolist()
+    lasts = np.concatenate((missing[cut], missing[-1:]))[:8].tolist()
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in zip(firsts, lasts))
+    if cut.shape[0] + 1 > 8:
+        text += f", ... ({cut.shape[0] + 1 - 8} more ranges)"
     return (
         f"no routing stored for {missing.shape[0]} of tokens {token_start}-{num_tokens - 1}: "
         f"tokens {text} (never written, or their block was invalidated since)"
