@@ -25,8 +25,8 @@ FORMAT = "slotroute.step/1"
 if sys.byteorder != "little":  # pragma: no cover - no big-endian platform is supported
     raise ImportError("slotroute.wire assumes a little-endian platform")
 
-# Dimensions are bounded so that no header, however hostile, makes the size
-# arithmetic below approach a machine integer; 2**40 rows already exceed any payload.
+# Bounds on a header's dimensions, checked before any array is built; the byte
+# length check in decode then ties the shape to the bytes actually present.
 _Dim = Annotated[int, msgspec.Meta(ge=0, le=2**40)]
 _PositiveDim = Annotated[int, msgspec.Meta(ge=1, le=2**20)]
 
@@ -34,11 +34,11 @@ _PositiveDim = Annotated[int, msgspec.Meta(ge=1, le=2**20)]
 class _Payload(msgspec.Struct, array_like=True, forbid_unknown_fields=True, gc=False):
     """The msgpack layout of one step. ``memoryview`` fields decode zero-copy."""
 
-    format: Literal["slotroute.step/1"]
-    routing_dtype: Literal["|u1", "<u2", "<i4", "<i8"]
+    format: Literal[FORMAT]
+    routing_dtype: Literal[ROUTING_DTYPES]
     routing_shape: tuple[_Dim, _PositiveDim, _PositiveDim]
     routing: memoryview
-    slot_dtype: Literal["<i4", "<i8"]
+    slot_dtype: Literal[SLOT_DTYPES]
     slots: memoryview
 
 
