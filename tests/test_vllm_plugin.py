@@ -1,0 +1,161 @@
+"""Plugin loading: version refusal, the disable switch, the modes, idempotence, and
+patch verification against the installed vLLM. Checks that need a fresh vLLM process
+run one in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import prompt_tokens
+
+from slotroute.vllm import unsupported_reason
+
+pytestmark = pytest.mark.vllm
+
+# Prints what register() returned, whether a scheduler-side patch is in place, and
+# how many log lines the refusal produced. Importing the block pool is cheap.
+PROBE = """
+import json, logging, sys
+import vllm
+if len(sys.argv) > 1:
+    vllm.__version__ = sys.argv[1]
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("vllm.slotroute").addHandler(Count())
+import slotroute.vllm as plugin
+outcomes = [plugin.register(), plugin.register()]
+from slotroute.vllm.patches import is_installed
+from vllm.v1.core.block_pool import BlockPool
+print(json.dumps({"outcomes": outcomes, "patched": is_installed(BlockPool.get_new_blocks), "lines": lines}))
+"""
+
+
+def probe(*version: str, **env: str) -> dict:
+    environ = {**os.environ, **env}
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *version], env=environ, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("version", ["0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu"])
+def test_supported_versions_have_no_refusal(version):
+    assert unsupported_reason(version) is None
+
+
+def test_version_031_is_refused_naming_the_aux_output_connector():
+    reason = unsupported_reason("0.31.0")
+    assert "0.31" in reason and "aux-output connector" in reason and "0.29.x and 0.30.x" in reason
+
+
+@pytest.mark.parametrize("version", ["0.28.2", "1.0.0", "main"])
+def test_other_versions_are_refused(version):
+    assert "0.29.x and 0.30.x" in unsupported_reason(version)
+
+
+def test_unsupported_vllm_is_left_unpatched_with_one_log_line():
+    found = probe("0.31.0")
+    assert found["outcomes"] == ["unsupported", "unsupported"]
+    assert not found["patched"]
+    assert len(found["lines"]) == 1 and "0.31.0" in found["lines"][0]
+
+
+def test_disable_switch_leaves_vllm_unpatched():
+    found = probe(SLOTROUTE_DISABLE="1")
+    assert found["outcomes"] == ["disabled", "disabled"]
+    assert not found["patched"]
+
+
+def test_register_patches_the_installed_vllm_once():
+    found = probe()
+    assert found["outcomes"] == ["slotroute", "slotroute"]
+    assert found["patched"]
+
+
+def test_cpu_capture_only_mode_leaves_the_scheduler_to_vllm():
+    found = probe(SLOTROUTE_VLLM_MODE="cpu-capture-only")
+    assert found["outcomes"] == ["cpu-capture-only"] * 2
+    assert not found["patched"]
+
+
+def test_unknown_mode_is_rejected_naming_the_modes():
+    result = subprocess.run(
+        [sys.executable, "-c", "import slotroute.vllm as p; p.register()"],
+        env={**os.environ, "SLOTROUTE_VLLM_MODE": "fast"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "slotroute, cpu-capture-only" in result.stderr and "'fast'" in result.stderr
+
+
+def test_register_twice_in_a_process_wraps_each_target_once():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import slotroute.vllm as plugin
+    from slotroute.vllm.patches import is_installed, original
+
+    assert plugin.register() == plugin.register() == "slotroute"
+    wrapped = Scheduler.update_from_output
+    assert is_installed(wrapped)
+    assert not is_installed(original(wrapped))
+    assert original(wrapped).__module__ == "vllm.v1.core.sched.scheduler"
+
+
+def test_patch_with_unexpected_parameters_is_refused_and_nothing_is_installed():
+    from vllm.v1.core.block_pool import BlockPool
+
+    from slotroute.vllm.patches import Patch, PatchError, apply
+
+    touch = BlockPool.touch
+    good = Patch("vllm.v1.core.block_pool", "BlockPool.touch", ("self", "blocks"), (), lambda f: f)
+    bad = Patch("vllm.v1.core.block_pool", "BlockPool.free_blocks", ("self", "blocks"), (), lambda f: f)
+    with pytest.raises(PatchError, match=r"has parameters \('self', 'ordered_blocks'\), expected \('self', 'blocks'\)"):
+        apply([good, bad])
+    assert BlockPool.touch is touch
+
+
+def test_patch_whose_hook_point_is_gone_is_refused():
+    from slotroute.vllm.patches import Patch, PatchError
+
+    patch = Patch("vllm.v1.core.block_pool", "BlockPool.touch", ("self", "blocks"),
+                  ("self.routed_experts_mgr",), lambda f: f)
+    with pytest.raises(PatchError, match="no longer contains"):
+        patch.verify()
+
+
+CPU_CAPTURE_ONLY_RUN = """
+import json, sys
+import numpy as np
+from vllm import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+          distributed_executor_backend="uni", enable_return_routed_experts=True, block_size=32,
+          max_model_len=512, num_gpu_blocks_override=64, kv_cache_memory_bytes=64 << 20, seed=0)
+scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+(out,) = llm.generate([{"prompt_token_ids": json.loads(sys.argv[2])}],
+                      SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True), use_tqdm=False)
+np.save(sys.argv[3], out.outputs[0].routed_experts)
+print(json.dumps({"manager": type(scheduler.routed_experts_mgr).__module__, "tokens": list(out.outputs[0].token_ids)}))
+"""
+
+
+def test_cpu_capture_only_engine_runs_vllms_own_manager_with_the_same_routing(tiny_model, reference, tmp_path):
+    prompt = prompt_tokens(200, 120)
+    out = tmp_path / "routed.npy"
+    result = subprocess.run(
+        [sys.executable, "-c", CPU_CAPTURE_ONLY_RUN, tiny_model, json.dumps(prompt), str(out)],
+        env={**os.environ, "SLOTROUTE_VLLM_MODE": "cpu-capture-only"},
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["manager"] == "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
+    want = reference(prompt, 5)
+    assert tuple(found["tokens"]) == want.tokens
+    np.testing.assert_array_equal(np.load(out), want.routed)
