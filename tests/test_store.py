@@ -359,6 +359,14 @@ def test_missing_routing_message_summarises_many_gaps():
         mgr.get(list(range(64)), 256)
 
 
+def test_store_batch_accepts_non_contiguous_data():
+    mgr = make(num_blocks=100, block_size=4)
+    wide = routing(mgr.spec, 300, dtype=np.int32)
+    data = np.asfortranarray(wide)[::-1]  # reversed rows, Fortran order
+    mgr.store_batch(data, np.arange(300))  # one run: copied as a slice
+    np.testing.assert_array_equal(mgr.get(list(range(75)), 300), wide[::-1])
+
+
 def test_store_batch_accepts_slot_mapping_as_a_list():
     mgr = make()
     data = routing(mgr.spec, 3)

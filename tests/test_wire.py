@@ -139,6 +139,13 @@ def test_constructor_keeps_the_arrays_it_was_given():
     assert lists.routing_data is data and lists.slot_mapping is slots
 
 
+def test_equality_is_identity_not_element_wise():
+    a = step()
+    b = RoutedExpertsLists(a.routing_data, a.slot_mapping)
+    assert a == a and a != b
+    assert len({a, b}) == 2
+
+
 def test_fields_cannot_be_reassigned():
     lists = step()
     with pytest.raises(AttributeError):

@@ -46,7 +46,7 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(_Payload)
 
 
-class RoutedExpertsLists(msgspec.Struct, frozen=True, gc=False):
+class RoutedExpertsLists(msgspec.Struct, frozen=True, eq=False, gc=False):
     """One engine step's routing: row ``i`` of ``routing_data`` is the routing of the
     token in KV-cache slot ``slot_mapping[i]``.
 
@@ -58,7 +58,8 @@ class RoutedExpertsLists(msgspec.Struct, frozen=True, gc=False):
 
     The struct holds the arrays it was given (no copy) and is frozen, so its fields
     cannot be swapped for unchecked ones; the arrays themselves stay mutable unless
-    they came from :meth:`decode` of an immutable buffer.
+    they came from :meth:`decode` of an immutable buffer. Equality and hashing are
+    by identity (comparing arrays element-wise has no single truth value).
 
     Raises
     ------
