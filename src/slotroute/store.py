@@ -6,7 +6,7 @@ import ctypes
 import ctypes.util
 import mmap
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -146,14 +146,16 @@ class RoutedExpertsManager:
             return
         runs = _contiguous_runs(slots) if n >= RUNS_FROM else []
         stamps = self._next_stamps(n)
-        _scatter(self._stamp, slots, stamps, runs)
+        for rows, dst in _segments(slots, runs):
+            self._stamp[dst] = stamps[rows]
         # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
         # order numpy scattered a repeated slot in; all stamps of this batch are
         # newer than any invalidation, so the state is right either way.
-        if not (self._stamp[slots] == stamps).all():
+        if not all((self._stamp[dst] == stamps[rows]).all() for rows, dst in _segments(slots, runs)):
             data, slots = _last_write_per_slot(data, slots)
             runs = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
-        _scatter(self._buffer, slots, data, runs)
+        for rows, dst in _segments(slots, runs):
+            self._buffer[dst] = data[rows]
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
@@ -319,21 +321,20 @@ def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
 
 
-def _scatter(dst: np.ndarray, slots: np.ndarray, rows: np.ndarray, runs: list[tuple[int, int]]) -> None:
-    """``dst[slots] = rows`` for distinct slots, with each run copied as one slice;
-    wider rows are cast on the way (checked ids fit).
-
-    Bounded by memory bandwidth on runs, and by the latency of scattered writes
-    elsewhere; the loop is bounded by MAX_RUNS."""
+def _segments(slots: np.ndarray, runs: list[tuple[int, int]]) -> Iterator[tuple[slice, slice | np.ndarray]]:
+    """Split rows into ``(rows, destination)`` pairs that together index
+    ``dst[slots] = values`` for distinct slots: each run as a slice of slots (copied
+    at memory bandwidth), the rows between runs as an array of slots (scattered).
+    Bounded by MAX_RUNS."""
     done = 0
     for start, stop in runs:
         if done < start:
-            dst[slots[done:start]] = rows[done:start]
+            yield slice(done, start), slots[done:start]
         first = int(slots[start])
-        dst[first : first + stop - start] = rows[start:stop]
+        yield slice(start, stop), slice(first, first + stop - start)
         done = stop
     if done < slots.shape[0]:
-        dst[slots[done:]] = rows[done:]
+        yield slice(done, None), slots[done:]
 
 
 def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
