@@ -64,3 +64,15 @@ def test_encode_and_decode_of_an_8192_token_step(benchmark, preset, step_workloa
     out = run(benchmark, f"wire 8192 tok {preset}", bench.wire_cases(step_workload)[case])
     if case == "encode+decode":
         assert out.routing_data.shape == step_workload.data.shape
+
+
+def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path, capsys):
+    from slotroute.cli import main
+
+    png = tmp_path / "scaling.png"
+    assert main(["bench", "--rounds", "1", "--preset", "gpt-oss-120b", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "### gpt-oss-120b: 36 layers, top-4, 128 experts, uint8 (144 B/token)" in out
+    assert out.count("| store_batch ") == 4 and "| get 32768 tok" in out and "| encode+decode" in out
+    assert "demand paging" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -383,8 +383,7 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, numpy {np.__version__}, Python {sys.version.split()[0]}"
 
 
-def plot(path: str, spec: RoutingSpec, rounds: int, progress=None) -> None:
-    """Write GB/s against tokens per step (store) and request length (get) as a PNG."""
+def _pyplot():
     try:
         import matplotlib
 
@@ -394,6 +393,12 @@ def plot(path: str, spec: RoutingSpec, rounds: int, progress=None) -> None:
         raise SystemExit(
             "slotroute bench --plot needs matplotlib: pip install 'slotroute[bench]'"
         ) from None
+    return plt
+
+
+def plot(path: str, spec: RoutingSpec, rounds: int, progress=None) -> None:
+    """Write GB/s against tokens per step (store) and request length (get) as a PNG."""
+    plt = _pyplot()
     store_rates: dict[str, list[float]] = {}
     for n in PLOT_STEP_TOKENS:
         w = make_store_workload(spec, num_tokens=n)
@@ -458,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (3 if args.quick else 7)
     if rounds < 1:
         raise SystemExit("--rounds must be >= 1")
+    if args.plot:
+        _pyplot()  # fail before the measurements, not after
     print(f"machine: {machine()}")
     # 4 + 4 + 4 + 3 + 2 cases per preset; the plot has 4 per step size and 3 per length.
     total = rounds * (17 * len(names) + (4 * len(PLOT_STEP_TOKENS) + 3 * len(PLOT_REQUEST_TOKENS) if args.plot else 0))
