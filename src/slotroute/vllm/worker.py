@@ -101,19 +101,20 @@ class WorkerRouting:
         IndexError, ValueError
             As ``RoutedExpertsCapturer.capture``.
         """
-        # Bounded by one copy launch; the layout is rebuilt once a step at most.
+        # Bounded by one copy launch; with DP, also by reading the token counts.
         dp = get_forward_context().dp_metadata
         layout = self._single_rank if dp is None else self._layout_for(dp)
         self.capturer.capture(layer_id, topk_ids, layout=layout)
 
     def _layout_for(self, dp) -> BatchLayout:
-        if dp is not self._dp_key:
-            self._dp_key = dp
+        # Keyed by content: vLLM sets ``local_sizes`` on the same DPMetadata object
+        # inside a context manager, so identity would miss the change.
+        local_sizes = getattr(dp, "local_sizes", None)
+        key = (tuple(dp.num_tokens_across_dp_cpu.tolist()), None if local_sizes is None else tuple(local_sizes))
+        if key != self._dp_key:
+            self._dp_key = key
             self._dp_layout = BatchLayout(
-                num_tokens_across_dp=tuple(dp.num_tokens_across_dp_cpu.tolist()),
-                dp_rank=self.dp_rank,
-                tp_size=self.tp_size,
-                local_sizes=getattr(dp, "local_sizes", None),
+                num_tokens_across_dp=key[0], dp_rank=self.dp_rank, tp_size=self.tp_size, local_sizes=key[1]
             )
         return self._dp_layout
 
