@@ -349,10 +349,10 @@ def _rss_bytes() -> int | None:
 
 def demand_paging_report(spec: RoutingSpec, num_slots: int = 1 << 20) -> str:
     """Build a large store, write one step, and report RSS and store stats."""
+    step = make_store_workload(spec, seed=1)
     rss0 = _rss_bytes()
     mgr = RoutedExpertsManager(spec, num_slots // BLOCK_SIZE, BLOCK_SIZE)
     rss1 = _rss_bytes()
-    step = make_store_workload(spec, seed=1)
     mgr.store_batch(step.data, step.steps[0])
     rss2 = _rss_bytes()
     stats = mgr.stats()
