@@ -150,24 +150,19 @@ class EngineRun:
     extra: dict = field(default_factory=dict)
 
 
-def run_engine(
-    job: EngineJob, workload: Sequence[DemoRequest], progress: Callable[[str], None] = lambda _: None
-) -> EngineRun:
-    """Build an in-process vLLM engine for ``job`` and drive ``workload`` step by step.
+def start_engine(job: EngineJob, progress: Callable[[str], None] = lambda _: None):
+    """Build an in-process vLLM ``LLM`` for ``job``.
 
-    Arrivals are keyed to engine steps and aborts to generated tokens, so the schedule
-    (and with it the prefix-cache hits and preemptions) is the same on every run. Needs
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` set before vLLM is imported (the child entry
-    point does this).
+    Needs ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` set before vLLM is imported (the child
+    entry point does this), so that the engine core runs in this process.
 
     Returns
     -------
-    EngineRun
-        Per-request results; routing arrays are those vLLM returned (not copied).
+    (LLM, float)
+        The engine and the seconds it took to start.
     """
     progress("importing vLLM")
-    from vllm import LLM, SamplingParams
-    from vllm.platforms import current_platform
+    from vllm import LLM
 
     progress("starting the engine")
     started = time.perf_counter()
@@ -189,7 +184,24 @@ def run_engine(
         # Stats on: RequestOutput.metrics then counts each request's preemptions.
         disable_log_stats=False,
     )
-    engine_start_s = time.perf_counter() - started
+    return llm, time.perf_counter() - started
+
+
+def drive(llm, workload: Sequence[DemoRequest], progress: Callable[[str], None] = lambda _: None) -> EngineRun:
+    """Drive ``workload`` through ``llm``'s engine step by step until every request is done.
+
+    Arrivals are keyed to engine steps and aborts to generated tokens, so the schedule
+    (and with it the prefix-cache hits and preemptions) is the same on every run.
+
+    Returns
+    -------
+    EngineRun
+        Per-request results (``engine_start_s`` 0); routing arrays are those vLLM
+        returned (not copied).
+    """
+    from vllm import SamplingParams
+    from vllm.platforms import current_platform
+
     engine = llm.llm_engine
     pending = sorted(workload, key=lambda r: r.arrive_step)
     abort_after = {r.name: r.abort_after for r in workload if r.abort_after is not None}
@@ -231,8 +243,24 @@ def run_engine(
             routing=None if aborted or completion is None else completion.routed_experts,
         )
     device = str(current_platform.device_name or current_platform.device_type)
+    return EngineRun(results, device, 0.0, run_s, step)
+
+
+def run_engine(
+    job: EngineJob, workload: Sequence[DemoRequest], progress: Callable[[str], None] = lambda _: None
+) -> EngineRun:
+    """``start_engine(job)``, then ``drive`` ``workload`` through it.
+
+    Returns
+    -------
+    EngineRun
+        As ``drive``, with the engine's start-up time.
+    """
+    llm, engine_start_s = start_engine(job, progress)
+    run = drive(llm, workload, progress)
+    run.engine_start_s = engine_start_s
     del llm
-    return EngineRun(results, device, engine_start_s, run_s, step)
+    return run
 
 
 def save_run(run: EngineRun, directory: Path) -> None:
@@ -314,10 +342,15 @@ def run_in_child(job: EngineJob, workload: Sequence[DemoRequest], label: str, wo
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-        while child.poll() is None:
-            status = job_dir / "progress"
-            progress.update(status.read_text() if status.exists() else "starting Python")
-            time.sleep(0.1)
+        try:
+            while child.poll() is None:
+                status = job_dir / "progress"
+                progress.update(status.read_text() if status.exists() else "starting Python")
+                time.sleep(0.1)
+        finally:
+            if child.poll() is None:  # interrupted: do not leave the engine running
+                child.kill()
+                child.wait()
     if child.returncode != 0:
         progress.done(f"failed (exit {child.returncode})")
         raise RuntimeError(f"engine run {label!r} failed; {log_excerpt(log_path)}")
