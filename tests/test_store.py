@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from slotroute import store as store_module
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import MIN_RUN, RoutedExpertsManager
 
@@ -20,6 +22,24 @@ SPECS = (
     RoutingSpec(num_layers=1, top_k=2, num_experts=256),
     RoutingSpec(num_layers=3, top_k=2, num_experts=300),
 )
+
+
+@contextlib.contextmanager
+def runs_from(rows: int):
+    """Search batches of at least ``rows`` rows for runs of consecutive slots (the
+    slice path), so that small test batches can take it too."""
+    saved = store_module.RUNS_FROM
+    store_module.RUNS_FROM = rows
+    try:
+        yield
+    finally:
+        store_module.RUNS_FROM = saved
+
+
+@pytest.fixture
+def slice_path():
+    with runs_from(2):
+        yield
 
 
 def make(spec: RoutingSpec = SPECS[0], num_blocks: int = 8, block_size: int = 4) -> RoutedExpertsManager:
@@ -89,8 +109,11 @@ class StoreMachine(RuleBasedStateMachine):
         spec=st.sampled_from(SPECS),
         num_blocks=st.integers(1, 12),
         block_size=st.sampled_from([1, 3, 4, 16]),
+        search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
     )
-    def setup(self, spec, num_blocks, block_size):
+    def setup(self, spec, num_blocks, block_size, search_runs_from):
+        self._runs = runs_from(search_runs_from)
+        self._runs.__enter__()
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
         self.spec = spec
         self.ref: dict[int, np.ndarray] = {}
@@ -161,6 +184,10 @@ class StoreMachine(RuleBasedStateMachine):
         with pytest.raises(error):
             self.mgr.store_batch(rows.astype(np.int32), slots)
         before.assert_unchanged(self.mgr)
+
+    def teardown(self):
+        if hasattr(self, "_runs"):
+            self._runs.__exit__(None, None, None)
 
     @invariant()
     def slots_written_counts_reference(self):
@@ -302,7 +329,7 @@ def test_store_batch_last_write_wins_for_repeated_slots():
     np.testing.assert_array_equal(mgr.get([0, 1], 8), data[[last[s] for s in range(8)]])
 
 
-def test_store_batch_last_write_wins_when_a_decode_slot_repeats_inside_a_run():
+def test_store_batch_last_write_wins_when_a_decode_slot_repeats_inside_a_run(slice_path):
     mgr = make(num_blocks=16, block_size=4)
     n = MIN_RUN * 2
     slots = np.concatenate([np.arange(n), [5, n - 1]])
@@ -314,7 +341,7 @@ def test_store_batch_last_write_wins_when_a_decode_slot_repeats_inside_a_run():
     np.testing.assert_array_equal(np.delete(out, [5, n - 1], axis=0), np.delete(data[:n], [5, n - 1], axis=0))
 
 
-def test_store_batch_copies_runs_and_scattered_rows_to_their_slots():
+def test_store_batch_copies_runs_and_scattered_rows_to_their_slots(slice_path):
     mgr = make(num_blocks=64, block_size=4)
     decode = [201, 7, 130]
     prefill = list(range(40, 40 + 2 * MIN_RUN)) + list(range(140, 140 + MIN_RUN))
@@ -341,7 +368,7 @@ def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(d
 
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.uint64, np.int16])
-def test_store_batch_accepts_slot_mappings_of_any_integer_dtype(dtype):
+def test_store_batch_accepts_slot_mappings_of_any_integer_dtype(dtype, slice_path):
     mgr = make(num_blocks=80, block_size=4)
     # 256 rows, 1..255 then 0: in uint8, 0 - 255 wraps to +1, which must not
     # be taken for a continuing run.
@@ -359,7 +386,7 @@ def test_missing_routing_message_summarises_many_gaps():
         mgr.get(list(range(64)), 256)
 
 
-def test_store_batch_accepts_non_contiguous_data():
+def test_store_batch_accepts_non_contiguous_data(slice_path):
     mgr = make(num_blocks=100, block_size=4)
     wide = routing(mgr.spec, 300, dtype=np.int32)
     data = np.asfortranarray(wide)[::-1]  # reversed rows, Fortran order
@@ -607,7 +634,8 @@ def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
     mgr = RoutedExpertsManager(spec, num_blocks=40, block_size=8)
     slots = data.draw(slot_mappings(mgr.num_slots, max_len=300))
     rows = routing(spec, len(slots), seed=seed, dtype=dtype)
-    mgr.store_batch(rows, slots)
+    with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))):
+        mgr.store_batch(rows, slots)
     ref = {s: rows[i] for i, s in enumerate(slots.tolist()) if s >= 0}
     buffer = mgr.routed_experts_by_slot
     for slot, row in ref.items():

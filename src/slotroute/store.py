@@ -6,7 +6,7 @@ import ctypes
 import ctypes.util
 import mmap
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import msgspec
 import numpy as np
@@ -28,9 +28,10 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 # least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
 MIN_RUN = 32
 MAX_RUNS = 64
-# Below this many rows a batch is scattered whole: finding runs would cost more
-# (several numpy calls) than it saves.
-RUNS_FROM = 256
+# Below this many rows a batch is scattered whole: finding runs costs about ten
+# numpy calls, and slices beat the scatter only when the destination is in cache
+# (measured: 175 vs 210 µs at 8192 rows cache-hot, equal when writes go to DRAM).
+RUNS_FROM = 4096
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -144,17 +145,17 @@ class RoutedExpertsManager:
             self._stamp[slots[0]] = self._last_stamp
             self._buffer[slots[0]] = data[0]
             return
-        runs = _contiguous_runs(slots) if n >= RUNS_FROM else []
+        segments = _segments(slots)
         stamps = self._next_stamps(n)
-        for rows, dst in _segments(slots, runs):
+        for rows, dst in segments:
             self._stamp[dst] = stamps[rows]
         # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
         # order numpy scattered a repeated slot in; all stamps of this batch are
         # newer than any invalidation, so the state is right either way.
-        if not all((self._stamp[dst] == stamps[rows]).all() for rows, dst in _segments(slots, runs)):
+        if not self._own_stamps(slots, stamps, segments):
             data, slots = _last_write_per_slot(data, slots)
-            runs = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
-        for rows, dst in _segments(slots, runs):
+            segments = _segments(slots)
+        for rows, dst in segments:
             self._buffer[dst] = data[rows]
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
@@ -298,6 +299,13 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
+    def _own_stamps(self, slots: np.ndarray, stamps: np.ndarray, segments) -> bool:
+        """Whether every row reads back its own stamp, i.e. no slot repeats. A few
+        slots are compared in Python (cheaper than three numpy calls)."""
+        if slots.shape[0] <= 16:
+            return len(set(slots.tolist())) == slots.shape[0]
+        return all((self._stamp[dst] == stamps[rows]).all() for rows, dst in segments)
+
     def _next_stamps(self, n: int) -> np.ndarray:
         """Stamps for the next ``n`` rows, in row order (a view of a cached range)."""
         if self._iota.shape[0] < n:
@@ -321,20 +329,23 @@ def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
 
 
-def _segments(slots: np.ndarray, runs: list[tuple[int, int]]) -> Iterator[tuple[slice, slice | np.ndarray]]:
+def _segments(slots: np.ndarray) -> list[tuple[slice, slice | np.ndarray]]:
     """Split rows into ``(rows, destination)`` pairs that together index
-    ``dst[slots] = values`` for distinct slots: each run as a slice of slots (copied
-    at memory bandwidth), the rows between runs as an array of slots (scattered).
-    Bounded by MAX_RUNS."""
+    ``dst[slots] = values`` for distinct slots: each run of consecutive slots as a
+    slice (copied at memory bandwidth), the rows between runs as an array of slots
+    (scattered). At most 2 * MAX_RUNS + 1 pairs."""
+    runs = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
+    segments = []
     done = 0
     for start, stop in runs:
         if done < start:
-            yield slice(done, start), slots[done:start]
+            segments.append((slice(done, start), slots[done:start]))
         first = int(slots[start])
-        yield slice(start, stop), slice(first, first + stop - start)
+        segments.append((slice(start, stop), slice(first, first + stop - start)))
         done = stop
     if done < slots.shape[0]:
-        yield slice(done, None), slots[done:]
+        segments.append((slice(done, None), slots[done:]))
+    return segments
 
 
 def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
