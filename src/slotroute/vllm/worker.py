@@ -25,7 +25,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
-from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
+from slotroute.capture import NOT_CAPTURED, BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.scheduler import routing_spec
@@ -118,11 +118,14 @@ class WorkerRouting:
             )
         return self._dp_layout
 
-    def begin_step(self) -> None:
-        """Reset the capture rows (see the class invariant), on the current stream."""
-        self.capturer.clear_buffer()
+    def begin_step(self, num_tokens: int | None = None) -> None:
+        """Reset the first ``num_tokens`` capture rows (all when ``None``) as the class
+        invariant says, on the current stream. Bounded by memory bandwidth: two fills
+        of ``num_tokens * num_layers * top_k`` int32s at most."""
+        rows = self.capturer.get_device_buffer()[:num_tokens]
+        rows.fill_(NOT_CAPTURED)
         if self._dense is not None:
-            self.capturer.get_device_buffer().index_fill_(1, self._dense, 0)
+            rows.index_fill_(1, self._dense, 0)
 
     def snapshot(self, state) -> PendingSnapshot | None:
         """Start shipping the routing of the step ``state`` (vLLM's
@@ -199,7 +202,7 @@ def _make_execute_model(original):
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         routing = self.__dict__.get(_ATTR)
         if routing is not None:
-            routing.begin_step()
+            routing.begin_step(scheduler_output.total_num_scheduled_tokens)
         return original(self, scheduler_output, intermediate_tensors)
 
     return execute_model
