@@ -93,7 +93,6 @@ class RoutedExpertsManager:
         self._stamp_by_block = self._stamp.reshape(self.num_blocks, self.block_size)
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
-        self._iota = np.arange(1, 1, dtype=np.int64)
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
@@ -277,7 +276,7 @@ class RoutedExpertsManager:
         if slots.dtype.kind == "u":  # in range now; signed so slot differences cannot wrap
             slots = slots.astype(np.int64)
         if self._check_ids[data.dtype] and data.size:
-            unsigned = data.view(_UNSIGNED[data.dtype.itemsize])
+            unsigned = data if data.dtype.kind == "u" else data.view(_UNSIGNED[data.dtype.itemsize])
             if np.maximum.reduce(unsigned, axis=None) >= self.spec.num_experts:
                 raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
         return data, slots
@@ -307,12 +306,10 @@ class RoutedExpertsManager:
         return all((self._stamp[dst] == stamps[rows]).all() for rows, dst in segments)
 
     def _next_stamps(self, n: int) -> np.ndarray:
-        """Stamps for the next ``n`` rows, in row order (a view of a cached range)."""
-        if self._iota.shape[0] < n:
-            self._iota = np.arange(1, max(n, 2 * self._iota.shape[0]) + 1, dtype=np.int64)
-        stamps = self._iota[:n] + self._last_stamp
+        """Stamps for the next ``n`` rows, in row order (a new array)."""
+        first = self._last_stamp + 1
         self._last_stamp += n
-        return stamps
+        return np.arange(first, first + n, dtype=np.int64)
 
 
 def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
