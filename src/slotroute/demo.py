@@ -120,8 +120,10 @@ class EngineJob:
     dtype: str = "float32"
     routing: bool = True
     seed: int = 0
-    # vLLM's gpu_memory_utilization; on CPU the share of host memory it checks is free.
-    memory_fraction: float = 0.1
+    # The KV cache budget handed to vLLM (num_blocks fixes the pool itself). Without
+    # one the CPU worker reserves a share of host memory and refuses to start when
+    # that much is not free.
+    kv_cache_bytes: int = 64 << 20
 
 
 @dataclass
@@ -180,7 +182,7 @@ def start_engine(job: EngineJob, progress: Callable[[str], None] = lambda _: Non
         enable_prefix_caching=job.prefix_caching,
         num_gpu_blocks_override=job.num_blocks,
         enable_return_routed_experts=job.routing,
-        gpu_memory_utilization=job.memory_fraction,
+        kv_cache_memory_bytes=job.kv_cache_bytes,
         # Stats on: RequestOutput.metrics then counts each request's preemptions.
         disable_log_stats=False,
     )
@@ -429,7 +431,7 @@ def run_served(job: EngineJob, workload: Sequence[DemoRequest], work_dir: Path) 
         "--max-num-batched-tokens", str(job.chunk), "--num-gpu-blocks-override", str(job.num_blocks),
         "--enable-prefix-caching" if job.prefix_caching else "--no-enable-prefix-caching",
         "--enable-prompt-tokens-details",
-        "--gpu-memory-utilization", str(job.memory_fraction),
+        "--kv-cache-memory-bytes", str(job.kv_cache_bytes),
     ]  # fmt: skip
     if job.routing:
         command.append("--enable-return-routed-experts")
@@ -605,6 +607,19 @@ def print_report(run: EngineRun, reference: EngineRun, spec: RoutingSpec, job: E
     return ok
 
 
+def kv_cache_bytes(config: dict, num_blocks: int, block_size: int, dtype: str) -> int:
+    """Bytes of ``num_blocks`` KV blocks for a decoder described by the HF ``config``
+    (keys and values of every layer), with a quarter more for the backend's layout
+    and alignment."""
+    text = config.get("text_config", config)
+    heads = text["num_attention_heads"]
+    head_dim = text.get("head_dim") or text["hidden_size"] // heads
+    kv_heads = text.get("num_key_value_heads", heads)
+    itemsize = 4 if dtype in ("float32", "float") else 2
+    per_block = 2 * text["num_hidden_layers"] * kv_heads * head_dim * block_size * itemsize
+    return per_block * num_blocks * 5 // 4
+
+
 # --- the subcommand ---------------------------------------------------------------------------
 
 
@@ -617,10 +632,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=128, help="max tokens per step: longer prompts are chunked (default 128)")
     parser.add_argument("--dtype", default="float32", help="model dtype (default float32: bfloat16 CPU kernels are batch-variant)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
-    parser.add_argument(
-        "--memory-fraction", type=float, default=0.1,
-        help="vLLM's --gpu-memory-utilization (default 0.1, enough for the tiny model; on CPU: share of host memory)",
-    )  # fmt: skip
     parser.add_argument("--engine-job", type=Path, help=argparse.SUPPRESS)
 
 
@@ -645,11 +656,18 @@ def run(args: argparse.Namespace) -> int:
     cached_job = EngineJob(
         model=str(model), prefix_caching=True, num_blocks=args.kv_blocks, block_size=args.block_size,
         chunk=args.chunk, max_model_len=max_model_len, dtype=args.dtype, seed=args.seed,
-        memory_fraction=args.memory_fraction,
+        kv_cache_bytes=kv_cache_bytes(config, args.kv_blocks, args.block_size, args.dtype),
     )  # fmt: skip
     # The reference holds every request at once: nothing is preempted or evicted.
     total_blocks = sum(-(-(len(r.prompt) + r.max_tokens) // args.block_size) for r in workload) + 1
-    reference_job = EngineJob(**{**asdict(cached_job), "prefix_caching": False, "num_blocks": total_blocks})
+    reference_job = EngineJob(
+        **{
+            **asdict(cached_job),
+            "prefix_caching": False,
+            "num_blocks": total_blocks,
+            "kv_cache_bytes": kv_cache_bytes(config, total_blocks, args.block_size, args.dtype),
+        }
+    )
     print(f"slotroute demo: {model} ({spec.num_layers} layers, top-{spec.top_k} of {spec.num_experts} experts)")
     work_dir = Path(tempfile.mkdtemp(prefix="slotroute-demo-"))
     try:
