@@ -149,7 +149,9 @@ class RoutedExpertsLists(msgspec.Struct, frozen=True, eq=False, gc=False):
         ValueError
             If ``buf`` is truncated, corrupt or inconsistent: not this format, a
             dtype outside the allowed ones, a byte length that does not match the
-            shape, or a slot count that does not match the routing rows.
+            shape, or a slot count that does not match the routing rows. There is no
+            checksum: a changed byte inside the arrays decodes to other values, which
+            the store then range-checks.
         TypeError
             If ``buf`` does not support the buffer protocol.
         """
