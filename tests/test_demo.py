@@ -262,3 +262,15 @@ def test_served_demo_decodes_routing_equal_to_the_offline_reference(served):
     # Cached tokens come from usage.prompt_tokens_details; arrivals are timed, so only
     # their presence is certain.
     assert sum(int(row[2]) for name, row in rows.items() if name != "aborted") > 0
+
+
+@pytest.mark.vllm
+def test_demo_serves_a_checkpoint_given_by_path_with_dense_layers(tmp_path):
+    from slotroute.tiny_model import write_tiny_moe
+
+    model = write_tiny_moe(tmp_path / "model", num_layers=3, dense_layers=(1,), top_k=2, seed=5)
+    process, rows = run_demo(tmp_path, "--model", str(model))
+    assert process.returncode == 0, process.stdout + process.stderr
+    assert f"slotroute demo: {model} (3 layers, top-2 of 16 experts)" in process.stdout
+    # vLLM 0.29-0.30 number routing rows by decoder layer, the dense one included.
+    assert {row[4].split("x", 1)[1] for name, row in rows.items() if name != "aborted"} == {"3x2"}
