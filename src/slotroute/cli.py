@@ -19,9 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="slotroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in SUBCOMMANDS.items():
-        sub_parser = sub.add_parser(name, help=help_text, description=help_text)
-        sub_parser.set_defaults(_module=module)
-        # Arguments are registered lazily: only the chosen module is imported.
+        # A placeholder: the chosen module registers the real arguments (and --help) below.
+        sub.add_parser(name, help=help_text, add_help=False).set_defaults(_module=module)
     args, _ = parser.parse_known_args(argv)
     module = importlib.import_module(args._module)
     full = argparse.ArgumentParser(prog=f"slotroute {args.command}", description=SUBCOMMANDS[args.command][1])
