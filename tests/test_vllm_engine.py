@@ -26,26 +26,23 @@ VLLM_0_29 = vllm.__version__.startswith("0.29.")
 TOKEN_BUDGET = 128  # max_num_batched_tokens of the engines under test: prefills chunk
 
 
+def engine(tiny_model, **overrides):
+    """Prefix caching on and chunked prefill; one engine per module fixture."""
+    llm = make_llm(tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET, **overrides)
+    yield llm
+    del llm
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_model):
-    """Prefix caching on, chunked prefill, room for every request (no preemption)."""
-    engine = make_llm(
-        tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
-        max_model_len=1024, num_gpu_blocks_override=160,
-    )
-    yield engine
-    del engine
+    """Room for every request: no preemption, no eviction."""
+    yield from engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=160)
 
 
 @pytest.fixture(scope="module")
 def tight_llm(tiny_model):
-    """Prefix caching on and a pool of 24 blocks: batches preempt and evict."""
-    engine = make_llm(
-        tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
-        max_model_len=512, num_gpu_blocks_override=24,
-    )
-    yield engine
-    del engine
+    """A pool of 24 blocks: batches preempt and evict."""
+    yield from engine(tiny_model, max_model_len=512, num_gpu_blocks_override=24)
 
 
 class Spy:
@@ -175,16 +172,16 @@ def test_prompt_start_at_the_prompt_length_returns_only_generated_rows(llm, refe
 
 
 def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference):
-    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    llm_engine, scheduler = llm.llm_engine, scheduler_of(llm)
     prompts = {name: prompt_tokens(40 + i, 150 + 30 * i) for i, name in enumerate("abc")}
     for name, prompt in prompts.items():
-        engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
+        llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
     for _ in range(3):  # b is mid prefill (150 + 30 tokens, 128 a step shared by all)
-        engine.step()
-    engine.abort_request(["b"])
+        llm_engine.step()
+    llm_engine.abort_request(["b"])
     finished = {}
-    while engine.has_unfinished_requests():
-        finished.update({o.request_id: completion(o) for o in engine.step() if o.finished})
+    while llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: completion(o) for o in llm_engine.step() if o.finished})
     assert set(finished) <= {"a", "b", "c"} and {"a", "c"} <= set(finished)
     assert "b" not in finished or finished["b"].finish_reason == "abort"
     for name in "ac":
@@ -202,30 +199,26 @@ def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model
     the engine must still return exact routing. The async path itself runs on CUDA."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
-    engine = make_llm(tiny_model, enable_prefix_caching=True, max_num_batched_tokens=TOKEN_BUDGET,
-                      max_model_len=512, num_gpu_blocks_override=64, async_scheduling=True)
-    try:
-        assert not isinstance(scheduler_of(engine), AsyncScheduler)
+    for async_llm in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64, async_scheduling=True):
+        assert not isinstance(scheduler_of(async_llm), AsyncScheduler)
         prompts = [prompt_tokens(50, 160), prompt_tokens(51, 90)]
-        for got, prompt in zip(generate(engine, prompts, greedy(7)), prompts):
+        for got, prompt in zip(generate(async_llm, prompts, greedy(7)), prompts):
             assert_same_completion(got, reference(prompt, 7))
-    finally:
-        del engine
 
 
 def test_request_whose_routing_is_missing_finishes_with_an_error(llm, reference):
     """If routing of a request's tokens is gone, the request fails; it never gets
     zeros or another token's routing, and the engine keeps serving."""
-    engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    llm_engine, scheduler = llm.llm_engine, scheduler_of(llm)
     routing = scheduler.routed_experts_mgr
     llm.reset_prefix_cache()
     prompt = prompt_tokens(60, 2 * TOKEN_BUDGET + 10)
-    request_id = engine.add_request("lost", {"prompt_token_ids": prompt}, greedy(4))
-    engine.step()  # first chunk stored
+    request_id = llm_engine.add_request("lost", {"prompt_token_ids": prompt}, greedy(4))
+    llm_engine.step()  # first chunk stored
     routing.store.invalidate_blocks(np.arange(routing.store.num_blocks))
     outputs = []
-    while engine.has_unfinished_requests():
-        outputs += [completion(o) for o in engine.step() if o.finished]
+    while llm_engine.has_unfinished_requests():
+        outputs += [completion(o) for o in llm_engine.step() if o.finished]
     assert [o.finish_reason for o in outputs] == ["error"]
     assert outputs[0].routed is None
     assert request_id not in scheduler.requests

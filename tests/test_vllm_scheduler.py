@@ -53,13 +53,19 @@ def schedule(routing, pool, num_blocks: int):
     return step, [b.block_id for b in blocks]
 
 
-def test_a_block_handed_out_is_unreadable_once_its_step_output_arrives(pool_and_routing):
-    pool, routing = pool_and_routing
+def stored_then_freed(routing, pool, value: int) -> int:
+    """A block that one step filled with ``value`` and whose request then freed it."""
     step, (block,) = schedule(routing, pool, 1)
     routing.before_output(step)
-    routing.store_batch(rows(3), slots_of(block))
-    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(3))
+    routing.store_batch(rows(value), slots_of(block))
+    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(value))
     pool.free_blocks([pool.blocks[block]])
+    return block
+
+
+def test_a_block_handed_out_is_unreadable_once_its_step_output_arrives(pool_and_routing):
+    pool, routing = pool_and_routing
+    block = stored_then_freed(routing, pool, 3)
     step2, (again,) = schedule(routing, pool, 1)
     assert again == block  # vLLM reuses the freed block first
     routing.before_output(step2)
@@ -88,10 +94,7 @@ def test_an_output_in_flight_still_serves_the_previous_owner(pool_and_routing):
 
 def test_a_prefix_cache_hit_keeps_the_routing_of_its_blocks(pool_and_routing):
     pool, routing = pool_and_routing
-    step, (block,) = schedule(routing, pool, 1)
-    routing.before_output(step)
-    routing.store_batch(rows(7), slots_of(block))
-    pool.free_blocks([pool.blocks[block]])
+    block = stored_then_freed(routing, pool, 7)
     pool.touch([pool.blocks[block]])  # a hit re-exposes the block; nothing handed out
     step2 = SimpleNamespace()
     routing.seal_step(step2)
@@ -101,10 +104,7 @@ def test_a_prefix_cache_hit_keeps_the_routing_of_its_blocks(pool_and_routing):
 
 def test_an_untagged_output_applies_every_pending_invalidation(pool_and_routing):
     pool, routing = pool_and_routing
-    first, (a,) = schedule(routing, pool, 1)
-    routing.before_output(first)
-    routing.store_batch(rows(1), slots_of(a))
-    pool.free_blocks([pool.blocks[a]])
+    a = stored_then_freed(routing, pool, 1)
     schedule(routing, pool, 1)  # hands `a` out again, output not yet arrived
     routing.before_output(SimpleNamespace())  # unknown step: invalidate everything queued
     with pytest.raises(MissingRoutingError):

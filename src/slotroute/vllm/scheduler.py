@@ -31,7 +31,6 @@ __all__ = ["SchedulerRouting", "scheduler_patches"]
 logger = logging.getLogger(LOGGER_NAME)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
-CAPTURER = "vllm.model_executor.layers.fused_moe.routed_experts_capturer"
 # Attribute names slotroute sets on vLLM objects it does not own.
 _STEP_ATTR = "_slotroute_step"
 _WATCHER_ATTR = "_slotroute_on_new_blocks"
@@ -176,7 +175,6 @@ class SchedulerRouting:
                 output.routed_experts = None
                 output.finish_reason = FinishReason.ERROR
                 scheduler.finish_requests(output.request_id, RequestStatus.FINISHED_ERROR)
-
 
     @staticmethod
     def forget_gone_requests(scheduler) -> None:
