@@ -39,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
+SCHEDULER_KEYS = ("store_batch", "get", "bookkeeping")
+WORKER_KEYS = ("worker capture", "worker snapshot")
 CONFIGS = {
     "off": {"SLOTROUTE_DISABLE": "1"},
     "vllm": {"SLOTROUTE_VLLM_MODE": "cpu-capture-only"},
@@ -82,9 +84,10 @@ class Timed:
         self.calls = dict.fromkeys(self.calls, 0)
         self.routing_bytes = self.slot_bytes = 0
 
-    def wrap(self, cls, name: str, key: str | None = None) -> None:
-        original = getattr(cls, name)
-        static = isinstance(cls.__dict__.get(name), staticmethod)
+    def wrap(self, owner, name: str, key: str | None = None) -> None:
+        """Replace ``owner.name`` (a class or a module attribute) by a timed call."""
+        original = getattr(owner, name)
+        static = isinstance(vars(owner).get(name), staticmethod)
         key = key or name
         self.seconds.setdefault(key, 0.0)
         self.calls.setdefault(key, 0)
@@ -101,25 +104,34 @@ class Timed:
                 self.seconds[key] += time.perf_counter() - started
                 self.calls[key] += 1
 
-        setattr(cls, name, staticmethod(timed) if static else timed)
+        setattr(owner, name, staticmethod(timed) if static else timed)
 
 
 def instrument(config: str) -> Timed:
     timed = Timed()
     if config == "vllm":
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsManager
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
+            RoutedExpertsCapturer,
+            RoutedExpertsManager,
+        )
 
         timed.wrap(RoutedExpertsManager, "store_batch")
         timed.wrap(RoutedExpertsManager, "get")
+        # vLLM's int32 host copy is inline in GPUModelRunner (no function to wrap).
+        timed.wrap(RoutedExpertsCapturer, "capture", "worker capture")
     elif config == "slotroute":
+        import slotroute.vllm.worker as worker
         from slotroute.vllm.scheduler import SchedulerRouting
 
         timed.wrap(SchedulerRouting, "store_batch")
         timed.wrap(SchedulerRouting, "get")
         # What slotroute adds beyond vLLM's two calls: block invalidation bookkeeping.
-        for name in ("on_new_blocks", "seal_step", "before_output", "finish_missing"):
+        for name in ("on_new_blocks", "seal_step", "before_output", "finish_missing", "forget_gone_requests"):
             timed.wrap(SchedulerRouting, name, "bookkeeping")
-        timed.wrap(SchedulerRouting, "forget_gone_requests", "bookkeeping")
+        timed.wrap(worker.WorkerRouting, "capture", "worker capture")
+        for name in ("begin_step", "snapshot"):
+            timed.wrap(worker.WorkerRouting, name, "worker snapshot")
+        timed.wrap(worker, "as_vllm_lists", "worker snapshot")
     return timed
 
 
@@ -201,12 +213,9 @@ def report(results: dict[str, list[dict]], args) -> None:
     def reps(config: str) -> list[dict]:
         return [{**rep, "steps": r["steps"]} for r in results[config] for rep in r["reps"]]
 
-    def per_step_us(config: str, key: str | None) -> float:
-        # Minimum over repetitions of the per-step time of one key (None: all keys).
-        return min(
-            1e6 * (sum(rep["seconds"].values()) if key is None else rep["seconds"].get(key, 0.0)) / rep["steps"]
-            for rep in reps(config)
-        )
+    def per_step_us(config: str, *keys: str) -> float:
+        # Minimum over repetitions of the per-step time of these keys together.
+        return min(1e6 * sum(rep["seconds"].get(k, 0.0) for k in keys) / rep["steps"] for rep in reps(config))
 
     def first(config: str, key: str) -> float:
         return results[config][0][key]
@@ -226,6 +235,7 @@ def report(results: dict[str, list[dict]], args) -> None:
     header = (
         "config", "tok/s best", "vs off", "tok/s median", "steps", "routing B/step", "slot_mapping B/step",
         "store_batch us/step", "get us/step", "bookkeeping us/step", "memcpy of step bytes us",
+        "worker capture us/step", "worker snapshot us/step",
     )  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -242,16 +252,23 @@ def report(results: dict[str, list[dict]], args) -> None:
             f"{per_step_us(config, 'get'):.1f}",
             f"{per_step_us(config, 'bookkeeping'):.1f}",
             f"{1e6 * min(r['memcpy_step_bytes_s'] for r in results[config]):.2f}",
+            f"{per_step_us(config, 'worker capture'):.1f}",
+            f"{per_step_us(config, 'worker snapshot'):.1f}",
         )
         print("| " + " | ".join(row) + " |")
 
     print()
     cost = {c: 1 - best[c] / best["off"] for c in ("vllm", "slotroute")}
     print(f"throughput cost vs off (best runs): vllm {cost['vllm']:+.1%}, slotroute {cost['slotroute']:+.1%}")
-    sched = {c: per_step_us(c, None) for c in ("vllm", "slotroute")}
+    sched = {c: per_step_us(c, *SCHEDULER_KEYS) for c in ("vllm", "slotroute")}
     print(
         f"scheduler time routing adds per step: vllm {sched['vllm']:.1f} us, slotroute {sched['slotroute']:.1f} us "
         f"(slotroute / vllm {sched['slotroute'] / max(sched['vllm'], 1e-9):.2f})"
+    )
+    work = {c: per_step_us(c, *WORKER_KEYS) for c in ("vllm", "slotroute")}
+    print(
+        f"worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
+        f"vllm {work['vllm']:.1f} us (+ its inline int32 copy), slotroute {work['slotroute']:.1f} us"
     )
     shipped = {c: first(c, "routing_bytes_per_step") for c in ("vllm", "slotroute")}
     with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in ("vllm", "slotroute")}
