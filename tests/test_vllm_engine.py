@@ -206,6 +206,15 @@ def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model
             assert_same_completion(got, reference(prompt, 7))
 
 
+def test_engine_without_routed_experts_runs_unchanged_under_the_plugin(tiny_model, reference):
+    for plain in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64,
+                        enable_return_routed_experts=False):
+        assert not hasattr(scheduler_of(plain), "routed_experts_mgr")
+        prompt = prompt_tokens(55, 140)
+        (got,) = generate(plain, [prompt], greedy(5))
+        assert got.routed is None and got.tokens == reference(prompt, 5).tokens
+
+
 def test_request_whose_routing_is_missing_finishes_with_an_error(llm, reference):
     """If routing of a request's tokens is gone, the request fails; it never gets
     zeros or another token's routing, and the engine keeps serving."""

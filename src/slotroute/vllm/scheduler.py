@@ -37,12 +37,21 @@ _WATCHER_ATTR = "_slotroute_on_new_blocks"
 
 
 def routing_spec(vllm_config) -> RoutingSpec:
-    """The spec vLLM's own capturer would use: ``num_layers`` counts every decoder
-    layer, as vLLM 0.29-0.30 number them (dense layers included)."""
-    from vllm.model_executor.layers.fused_moe.routed_experts_capturer import _get_routed_experts_shape
+    """The spec vLLM's own capturer uses (``_get_routed_experts_shape`` in
+    ``routed_experts_capturer.py``): ``num_layers`` counts every decoder layer, as
+    vLLM 0.29-0.30 number them (dense layers included).
 
-    num_layers, num_experts, top_k = _get_routed_experts_shape(vllm_config)
-    return RoutingSpec(num_layers=num_layers, top_k=top_k, num_experts=num_experts)
+    Raises
+    ------
+    ValueError
+        If the model config gives no valid spec (not a MoE model).
+    """
+    model = vllm_config.model_config
+    return RoutingSpec(
+        num_layers=model.get_total_num_hidden_layers(),
+        top_k=model.get_num_experts_per_tok(),
+        num_experts=model.get_num_experts(),
+    )
 
 
 class SchedulerRouting:
