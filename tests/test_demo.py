@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from slotroute.demo import (
-    DemoRequest,
     EngineJob,
     EngineRun,
     RequestResult,

@@ -51,9 +51,14 @@ __all__ = [
     "EngineJob",
     "EngineRun",
     "RequestResult",
+    "add_arguments",
     "build_workload",
+    "check_request",
     "decode_routed_experts",
+    "drive",
+    "run",
     "run_engine",
+    "start_engine",
 ]
 
 
