@@ -341,6 +341,25 @@ def test_store_batch_last_write_wins_when_a_decode_slot_repeats_inside_a_run(sli
     np.testing.assert_array_equal(np.delete(out, [5, n - 1], axis=0), np.delete(data[:n], [5, n - 1], axis=0))
 
 
+
+def test_store_batch_last_write_wins_when_a_run_repeats_an_earlier_decode_slot(slice_path):
+    mgr = make(num_blocks=16, block_size=4)
+    n = MIN_RUN * 2
+    slots = np.concatenate([[5, 7], np.arange(n)])
+    data = routing(mgr.spec, n + 2, seed=6)
+    mgr.store_batch(data, slots)
+    np.testing.assert_array_equal(mgr.get(list(range(16)), n), data[2:])
+
+
+def test_store_batch_last_write_wins_when_two_runs_overlap(slice_path):
+    mgr = make(num_blocks=32, block_size=4)
+    first, second = np.arange(0, 2 * MIN_RUN), np.arange(MIN_RUN, 3 * MIN_RUN)
+    data = routing(mgr.spec, 4 * MIN_RUN, seed=7)
+    mgr.store_batch(data, np.concatenate([first, second]))
+    out = mgr.get(list(range(32)), 3 * MIN_RUN)
+    np.testing.assert_array_equal(out[:MIN_RUN], data[:MIN_RUN])
+    np.testing.assert_array_equal(out[MIN_RUN:], data[2 * MIN_RUN :])
+
 def test_store_batch_copies_runs_and_scattered_rows_to_their_slots(slice_path):
     mgr = make(num_blocks=64, block_size=4)
     decode = [201, 7, 130]

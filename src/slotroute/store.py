@@ -144,17 +144,22 @@ class RoutedExpertsManager:
             self._stamp[slots[0]] = self._last_stamp
             self._buffer[slots[0]] = data[0]
             return
-        segments = _segments(slots)
+        runs, scattered = _segments(slots)
         stamps = self._next_stamps(n)
-        for rows, dst in segments:
+        # NOTE 2: last write wins. Runs are copied in row order, so where two runs
+        # overlap the later one wins. Any other repeated slot is named by a
+        # scattered row and a row stamped after it (runs are stamped after every
+        # scattered row; numpy keeps one value of an index repeated within a
+        # scatter): that scattered row reads back a stamp not its own, and the
+        # batch is reduced to the last row per slot. Only the scattered rows are
+        # read back. All stamps of this batch are newer than any invalidation, so
+        # the written state is right whichever row a repeated slot kept.
+        for rows, dst in scattered + runs:
             self._stamp[dst] = stamps[rows]
-        # NOTE 2: every row reads back its own stamp iff no slot repeats, whatever
-        # order numpy scattered a repeated slot in; all stamps of this batch are
-        # newer than any invalidation, so the state is right either way.
-        if not self._own_stamps(slots, stamps, segments):
+        if not self._distinct(slots, stamps, scattered):
             data, slots = _last_write_per_slot(data, slots)
-            segments = _segments(slots)
-        for rows, dst in segments:
+            runs, scattered = _segments(slots)
+        for rows, dst in runs + scattered:
             self._buffer[dst] = data[rows]
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
@@ -298,12 +303,12 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
-    def _own_stamps(self, slots: np.ndarray, stamps: np.ndarray, segments) -> bool:
-        """Whether every row reads back its own stamp, i.e. no slot repeats. A few
-        slots are compared in Python (cheaper than three numpy calls)."""
+    def _distinct(self, slots: np.ndarray, stamps: np.ndarray, scattered) -> bool:
+        """Whether every scattered row reads back its own stamp (NOTE 2). A few slots
+        are compared in Python instead (cheaper than three numpy calls)."""
         if slots.shape[0] <= 16:
             return len(set(slots.tolist())) == slots.shape[0]
-        return all((self._stamp[dst] == stamps[rows]).all() for rows, dst in segments)
+        return all((self._stamp[dst] == stamps[rows]).all() for rows, dst in scattered)
 
     def _next_stamps(self, n: int) -> np.ndarray:
         """Stamps for the next ``n`` rows, in row order (a new array)."""
@@ -326,23 +331,24 @@ def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
 
 
-def _segments(slots: np.ndarray) -> list[tuple[slice, slice | np.ndarray]]:
+def _segments(slots: np.ndarray) -> tuple[list[tuple[slice, slice]], list[tuple[slice, np.ndarray]]]:
     """Split rows into ``(rows, destination)`` pairs that together index
-    ``dst[slots] = values`` for distinct slots: each run of consecutive slots as a
-    slice (copied at memory bandwidth), the rows between runs as an array of slots
-    (scattered). At most 2 * MAX_RUNS + 1 pairs."""
-    runs = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
-    segments = []
+    ``dst[slots] = values`` for distinct slots: ``runs``, each a run of consecutive
+    slots as a slice (copied at memory bandwidth), and ``scattered``, the rows
+    between runs with their slots as an array. At most MAX_RUNS runs and
+    MAX_RUNS + 1 scattered pairs."""
+    found = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
+    runs, scattered = [], []
     done = 0
-    for start, stop in runs:
+    for start, stop in found:
         if done < start:
-            segments.append((slice(done, start), slots[done:start]))
+            scattered.append((slice(done, start), slots[done:start]))
         first = int(slots[start])
-        segments.append((slice(start, stop), slice(first, first + stop - start)))
+        runs.append((slice(start, stop), slice(first, first + stop - start)))
         done = stop
     if done < slots.shape[0]:
-        segments.append((slice(done, None), slots[done:]))
-    return segments
+        scattered.append((slice(done, None), slots[done:]))
+    return runs, scattered
 
 
 def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
