@@ -25,15 +25,25 @@ SPECS = (
 
 
 @contextlib.contextmanager
-def runs_from(rows: int):
-    """Search batches of at least ``rows`` rows for runs of consecutive slots (the
-    slice path), so that small test batches can take it too."""
-    saved = store_module.RUNS_FROM
-    store_module.RUNS_FROM = rows
+def _threshold(name: str, rows: int):
+    saved = getattr(store_module, name)
+    setattr(store_module, name, rows)
     try:
         yield
     finally:
-        store_module.RUNS_FROM = saved
+        setattr(store_module, name, saved)
+
+
+def runs_from(rows: int):
+    """Search batches of at least ``rows`` rows for runs of consecutive slots (the
+    slice path), so that small test batches can take it too."""
+    return _threshold("RUNS_FROM", rows)
+
+
+def rows_as_bytes_from(rows: int):
+    """Copy rows as raw-byte items from batches of ``rows`` rows on, so that small
+    test batches take that path too."""
+    return _threshold("ROWS_AS_BYTES_FROM", rows)
 
 
 @pytest.fixture
@@ -110,10 +120,12 @@ class StoreMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 12),
         block_size=st.sampled_from([1, 3, 4, 16]),
         search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
+        bytes_from=st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]),
     )
-    def setup(self, spec, num_blocks, block_size, search_runs_from):
-        self._runs = runs_from(search_runs_from)
-        self._runs.__enter__()
+    def setup(self, spec, num_blocks, block_size, search_runs_from, bytes_from):
+        self._thresholds = contextlib.ExitStack()
+        self._thresholds.enter_context(runs_from(search_runs_from))
+        self._thresholds.enter_context(rows_as_bytes_from(bytes_from))
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
         self.spec = spec
         self.ref: dict[int, np.ndarray] = {}
@@ -187,7 +199,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def teardown(self):
         if hasattr(self, "_runs"):
-            self._runs.__exit__(None, None, None)
+            self._thresholds.__exit__(None, None, None)
 
     @invariant()
     def slots_written_counts_reference(self):
@@ -372,8 +384,9 @@ def test_store_batch_copies_runs_and_scattered_rows_to_their_slots(slice_path):
     assert mgr.stats().slots_written == len(slots)
 
 
+@pytest.mark.parametrize("bytes_from", [2, store_module.ROWS_AS_BYTES_FROM])
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(dtype):
+def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(dtype, bytes_from):
     from slotroute.wire import RoutedExpertsLists
 
     spec = SPECS[2] if dtype != np.uint8 else SPECS[1]
@@ -382,7 +395,8 @@ def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(d
     slots = np.arange(50, dtype=np.int64)[::-1].copy()
     step = RoutedExpertsLists.decode(RoutedExpertsLists(data, slots).encode())
     assert not step.routing_data.flags.writeable
-    mgr.store_batch(step.routing_data, step.slot_mapping)
+    with rows_as_bytes_from(bytes_from):
+        mgr.store_batch(step.routing_data, step.slot_mapping)
     np.testing.assert_array_equal(mgr.get(list(range(13)), 50), data[::-1])
 
 
@@ -411,6 +425,16 @@ def test_store_batch_accepts_non_contiguous_data(slice_path):
     data = np.asfortranarray(wide)[::-1]  # reversed rows, Fortran order
     mgr.store_batch(data, np.arange(300))  # one run: copied as a slice
     np.testing.assert_array_equal(mgr.get(list(range(75)), 300), wide[::-1])
+
+
+def test_store_batch_accepts_non_contiguous_data_in_the_storage_dtype():
+    mgr = make(num_blocks=100, block_size=4)
+    narrow = routing(mgr.spec, 300)
+    data = np.asfortranarray(narrow)[::-1]  # not rows of contiguous bytes
+    slots = np.random.default_rng(9).permutation(400)[:300]
+    with rows_as_bytes_from(2):
+        mgr.store_batch(data, slots)
+    np.testing.assert_array_equal(mgr.routed_experts_by_slot[slots], narrow[::-1])
 
 
 def test_store_batch_accepts_slot_mapping_as_a_list():
@@ -653,7 +677,9 @@ def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
     mgr = RoutedExpertsManager(spec, num_blocks=40, block_size=8)
     slots = data.draw(slot_mappings(mgr.num_slots, max_len=300))
     rows = routing(spec, len(slots), seed=seed, dtype=dtype)
-    with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))):
+    with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))), rows_as_bytes_from(
+        data.draw(st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]))
+    ):
         mgr.store_batch(rows, slots)
     ref = {s: rows[i] for i, s in enumerate(slots.tolist()) if s >= 0}
     buffer = mgr.routed_experts_by_slot
