@@ -126,7 +126,7 @@ def instrument(config: str) -> Timed:
         timed.wrap(SchedulerRouting, "store_batch")
         timed.wrap(SchedulerRouting, "get")
         # What slotroute adds beyond vLLM's two calls: block invalidation bookkeeping.
-        for name in ("on_new_blocks", "seal_step", "before_output", "finish_missing", "forget_gone_requests"):
+        for name in ("on_new_blocks", "seal_step", "before_output", "after_output"):
             timed.wrap(SchedulerRouting, name, "bookkeeping")
         timed.wrap(worker.WorkerRouting, "capture", "worker capture")
         for name in ("begin_step", "snapshot"):

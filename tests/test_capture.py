@@ -91,6 +91,15 @@ def test_capture_writes_only_its_layer_and_rows(cap, rng):
     assert (buf[6:] == NOT_CAPTURED).all()
 
 
+def test_capture_returns_the_rows_it_wrote_for_a_single_rank(cap, rng):
+    assert cap.capture(0, torch.from_numpy(routing(rng, 6)[:, 0])) == 6
+
+
+def test_capture_returns_this_dp_ranks_token_count_under_naive_dispatch(cap, rng):
+    layout = BatchLayout(num_tokens_across_dp=(4, 7, 5), dp_rank=2)
+    assert cap.capture(1, torch.from_numpy(routing(rng, 16)[:, 1]), layout) == 5
+
+
 @pytest.mark.parametrize("dp_rank", [0, 1, 2])
 def test_naive_dispatch_takes_this_dp_ranks_span(cap, rng, dp_rank):
     counts = (4, 7, 5)
@@ -255,6 +264,14 @@ def test_snapshot_result_is_not_changed_by_the_next_step(cap, rng):
     np.testing.assert_array_equal(cap.snapshot(9, slots).result().routing_data, second)
 
 
+def test_snapshot_result_does_not_share_a_numpy_slot_mapping(cap, rng):
+    capture_all(cap, routing(rng, 5))
+    slots = np.arange(5, dtype=np.int64)
+    lists = cap.snapshot(5, slots).result()
+    slots += 50
+    np.testing.assert_array_equal(lists.slot_mapping, np.arange(5))
+
+
 def test_snapshot_result_is_the_same_object_every_time(cap, rng):
     capture_all(cap, routing(rng, 4))
     pending = cap.snapshot(4, np.arange(4))
@@ -268,7 +285,7 @@ def test_snapshot_of_zero_tokens_is_empty(cap):
     assert lists.slot_mapping.shape == (0,)
 
 
-@pytest.mark.parametrize("bad_id", [SPEC.num_experts, SPEC.num_experts + 200, -5])
+@pytest.mark.parametrize("bad_id", [SPEC.num_experts, SPEC.num_experts + 200, -5, 2**31 - 1, -(2**31)])
 def test_expert_id_out_of_range_raises_from_result(cap, rng, bad_id):
     ref = routing(rng, 5)
     ref[3, 2, 1] = bad_id

@@ -64,3 +64,41 @@ def test_async_output_of_a_step_with_an_uncaptured_layer_raises_on_resolve():
     wrapped = AsyncOutputWithRouting(resolved_async_output(), capturer.snapshot(1, np.array([0])))
     with pytest.raises(ValueError, match="outside"):
         wrapped.get_output()
+
+
+# --- the CPU step ledger (WorkerRouting, NOTE 1) -------------------------------------
+
+MOE_LAYERS = frozenset({0, 2, 3})  # layer 1 is dense
+
+
+def test_ledger_of_a_step_every_moe_layer_wrote_is_complete():
+    from slotroute.vllm.worker import incomplete_capture
+
+    assert incomplete_capture(MOE_LAYERS, {0: 16, 2: 16, 3: 16}, 16) is None
+
+
+def test_ledger_without_a_moe_layer_names_it():
+    from slotroute.vllm.worker import incomplete_capture
+
+    error = incomplete_capture(MOE_LAYERS, {0: 16, 3: 16}, 16)
+    assert isinstance(error, ValueError)
+    assert "MoE layer(s) [2]" in str(error) and "{2: 0}" in str(error)
+
+
+def test_ledger_of_a_moe_layer_that_wrote_fewer_rows_names_it():
+    from slotroute.vllm.worker import incomplete_capture
+
+    error = incomplete_capture(MOE_LAYERS, {0: 16, 2: 16, 3: 9}, 16)
+    assert "MoE layer(s) [3]" in str(error) and "{3: 9}" in str(error)
+
+
+def test_ledger_accepts_layers_that_wrote_more_rows_than_the_step():
+    from slotroute.vllm.worker import incomplete_capture
+
+    assert incomplete_capture(MOE_LAYERS, {0: 20, 2: 16, 3: 16}, 16) is None
+
+
+def test_ledger_ignores_a_short_write_to_a_layer_outside_the_moe_layers():
+    from slotroute.vllm.worker import incomplete_capture
+
+    assert incomplete_capture(MOE_LAYERS, {0: 16, 1: 3, 2: 16, 3: 16}, 16) is None

@@ -116,9 +116,6 @@ class BatchLayout:
                 )
 
 
-SINGLE_RANK = BatchLayout()
-
-
 @functools.lru_cache(maxsize=256)
 def _locate(rows: int, layout: BatchLayout) -> tuple[int, int, bool]:
     """``(start, count, gather)``: this rank's tokens are rows ``[start, start + count)``
@@ -337,6 +334,13 @@ class RoutedExpertsCapturer:
             (self._max_num_tokens, *spec.token_shape), NOT_CAPTURED, dtype=torch.int32, device=device
         )
         self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
+        # One view per layer, made once: capture() then slices a single dimension.
+        self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
+        # NOTE 3: a CPU snapshot reads the buffer through this numpy view of the same
+        # memory: inside an engine step numpy's slice, argmax and cast measured cheaper
+        # than the torch ops doing the same, while for capture() torch's copy_ measured
+        # cheaper than a numpy assignment (docs/capture.md, "CPU step cost").
+        self._host = self._buffer.numpy() if self._device.type == "cpu" else None
         self._tp_group = tp_group
         self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -399,7 +403,7 @@ class RoutedExpertsCapturer:
         """
         self._buffer.fill_(NOT_CAPTURED)
 
-    def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> None:
+    def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> int:
         """Write one MoE layer's routing of this rank's tokens into the buffer.
 
         ``layout`` says where this rank's tokens sit in ``topk_ids`` (the four layouts of
@@ -407,6 +411,11 @@ class RoutedExpertsCapturer:
         all-gathered across the TP group first, a collective every TP rank must reach.
         Writes on the current stream and never synchronises, so it may be recorded into
         a CUDA graph. Expert ids are checked by :meth:`snapshot`, not here.
+
+        Returns
+        -------
+        int
+            The rows written: this rank's tokens in this step (rows ``[0, count)``).
 
         Raises
         ------
@@ -429,13 +438,19 @@ class RoutedExpertsCapturer:
             raise ValueError(f"topk_ids must be torch.int32 or torch.int64, got {topk_ids.dtype}")
         if topk_ids.device != self._device:
             raise ValueError(f"topk_ids must be on {self._device} (the capture buffer's device), got {topk_ids.device}")
-        layout = SINGLE_RANK if layout is None else layout
-        start, count, gather = _locate(topk_ids.shape[0], layout)
+        rows = topk_ids.shape[0]
+        if layout is None or layout.num_tokens_across_dp is None:  # one DP rank: all rows
+            start, count, gather = 0, rows, False
+        else:
+            start, count, gather = _locate(rows, layout)
         if count > self._max_num_tokens:
             raise ValueError(f"this rank has {count} tokens, more than max_num_tokens={self._max_num_tokens}")
         if gather:
             topk_ids = self._all_gather(topk_ids, layout.tp_size)
-        self._buffer[:count, layer_id].copy_(topk_ids[start : start + count])
+        if start or count != topk_ids.shape[0]:
+            topk_ids = topk_ids[start : start + count]
+        self._layer_rows[layer_id][:count].copy_(topk_ids)
+        return count
 
     def _all_gather(self, shard: torch.Tensor, tp_size: int) -> torch.Tensor:
         if self._tp_group is None or self._tp_world != tp_size:
@@ -508,17 +523,22 @@ class RoutedExpertsCapturer:
         if not self.is_rank0:
             return PendingSnapshot(self._spec, n)
         host_slots = None
-        if not on_device:
-            host_slots = np.array(slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor) else slot_mapping, dtype=np.int64)
+        if not on_device:  # astype always copies: the caller may reuse its array next step
+            host_slots = (slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor) else slot_mapping).astype(np.int64)
         if self._device.type == "cpu":
             return self._snapshot_now(n, host_slots)
         return self._snapshot_async(n, slot_mapping, host_slots)
 
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
-        # Bounded by three passes over n * num_layers * top_k int32s in memory.
-        ids = self._buffer[:n].numpy()
+        # Bounded by two passes over n * num_layers * top_k int32s (argmax and a cast);
+        # for small steps by those two numpy calls, which run with cold caches after the
+        # forward. Read as uint32, a negative id (NOT_CAPTURED included) exceeds every
+        # num_experts, so the largest id checks both ends; argmax finds it in half the
+        # time of max() there (a direct loop, not the ufunc reduction machinery).
+        ids = self._host[:n]
+        flat = ids.view(np.uint32).reshape(-1)
         num_experts = self._spec.num_experts
-        if n and (ids.min() < 0 or ids.max() >= num_experts):
+        if n and flat[flat.argmax()] >= num_experts:
             bad = int(np.count_nonzero((ids < 0) | (ids >= num_experts)))
             return PendingSnapshot(self._spec, n, error=_range_error(self._spec, n, bad))
         data = ids.astype(self._spec.storage_dtype)

@@ -162,6 +162,16 @@ class SchedulerRouting:
         while self._pending and self._pending[0][0] <= step:
             self.store.invalidate_blocks(self._pending.popleft()[1])
 
+    def after_output(self, scheduler, outputs: dict) -> None:
+        """:meth:`finish_missing`, then :meth:`forget_gone_requests`: what follows
+        vLLM's ``update_from_output``. One call per step, bounded by two emptiness
+        checks when nothing failed and no request left."""
+        if self._missing:
+            self.finish_missing(scheduler, outputs)
+        snapshots = scheduler._re_block_ids
+        if not snapshots.keys() <= scheduler.requests.keys():  # a C-level subset test
+            self.forget_gone_requests(scheduler)
+
     def finish_missing(self, scheduler, outputs: dict) -> None:
         """Fail every request whose routing read missed in this output.
 
@@ -263,8 +273,7 @@ def _make_update_from_output(original):
             return original(self, scheduler_output, model_runner_output)
         routing.before_output(scheduler_output)
         outputs = original(self, scheduler_output, model_runner_output)
-        routing.finish_missing(self, outputs)
-        routing.forget_gone_requests(self)
+        routing.after_output(self, outputs)
         return outputs
 
     return update_from_output

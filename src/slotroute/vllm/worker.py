@@ -53,9 +53,16 @@ class WorkerRouting:
     """One worker's capture: a slotroute capturer bound to every MoE router of the
     model, whose rows ``[0, n)`` hold exactly the current step's routing.
 
-    Invariant: before each forward the rows of MoE layers are reset to the capturer's
-    ``NOT_CAPTURED`` and those of dense layers to 0, so a snapshot of a step in which
-    some MoE layer did not capture raises instead of shipping an older step's ids.
+    Invariant: a snapshot of a step in which some MoE layer did not write every row of
+    the step raises instead of shipping an older step's ids; the rows of dense layers
+    hold 0.
+
+    NOTE 1: on a CUDA device, where a graph replays ``capture`` without running Python,
+    each step first resets the step's rows (MoE layers to the capturer's
+    ``NOT_CAPTURED``, dense layers to 0) and the snapshot's range check finds any row
+    left unwritten. On CPU every ``capture`` runs in Python (vLLM's ``moe_forward`` is
+    an opaque custom op, run eagerly even under ``torch.compile``), so a ledger of the
+    rows each layer wrote in this step stands in for the reset: no torch op per step.
 
     Parameters
     ----------
@@ -88,7 +95,10 @@ class WorkerRouting:
         moe = moe_layer_ids(model)
         dense = [layer for layer in range(spec.num_layers) if layer not in moe]
         self._dense = torch.tensor(dense, dtype=torch.long, device=self.capturer.device) if dense else None
-        self.begin_step()
+        self._moe_layers = frozenset(moe)
+        self.reset_rows()
+        # Layer id -> rows its capture wrote in this step, or None where rows are reset (NOTE 1).
+        self._rows_captured: dict[int, int] | None = {} if self.capturer.device.type == "cpu" else None
         logger.info(
             "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
         )
@@ -101,10 +111,13 @@ class WorkerRouting:
         IndexError, ValueError
             As ``RoutedExpertsCapturer.capture``.
         """
-        # Bounded by one copy launch; with DP, also by reading the token counts.
+        # Bounded by one copy launch (a numpy assignment on CPU); with DP, also by
+        # reading the token counts.
         dp = get_forward_context().dp_metadata
         layout = self._single_rank if dp is None else self._layout_for(dp)
-        self.capturer.capture(layer_id, topk_ids, layout=layout)
+        rows = self.capturer.capture(layer_id, topk_ids, layout=layout)
+        if self._rows_captured is not None:
+            self._rows_captured[layer_id] = rows
 
     def _layout_for(self, dp) -> BatchLayout:
         # Keyed by content: vLLM sets ``local_sizes`` on the same DPMetadata object
@@ -118,10 +131,18 @@ class WorkerRouting:
             )
         return self._dp_layout
 
-    def begin_step(self, num_tokens: int | None = None) -> None:
-        """Reset the first ``num_tokens`` capture rows (all when ``None``) as the class
-        invariant says, on the current stream. Bounded by memory bandwidth: two fills
-        of ``num_tokens * num_layers * top_k`` int32s at most."""
+    def begin_step(self, num_tokens: int) -> None:
+        """Prepare the capture of a step of ``num_tokens`` tokens (NOTE 1): on CPU, empty
+        the ledger; on a CUDA device, reset the step's rows with :meth:`reset_rows`."""
+        if self._rows_captured is not None:
+            self._rows_captured = {}
+        else:
+            self.reset_rows(num_tokens)
+
+    def reset_rows(self, num_tokens: int | None = None) -> None:
+        """Write ``NOT_CAPTURED`` into the first ``num_tokens`` rows (all when ``None``)
+        of MoE layers and 0 into those of dense layers, on the current stream. Bounded
+        by memory bandwidth: two fills of ``num_tokens * num_layers * top_k`` int32s."""
         rows = self.capturer.get_device_buffer()[:num_tokens]
         rows.fill_(NOT_CAPTURED)
         if self._dense is not None:
@@ -130,6 +151,9 @@ class WorkerRouting:
     def snapshot(self, state) -> PendingSnapshot | None:
         """Start shipping the routing of the step ``state`` (vLLM's
         ``ExecuteModelState``) ran; ``None`` for a step without tokens.
+
+        On CPU, a step in which some MoE layer wrote fewer than the step's rows
+        yields a snapshot whose ``result()`` raises ``ValueError`` naming the layers.
 
         Raises
         ------
@@ -145,7 +169,30 @@ class WorkerRouting:
                 "slotroute needs one slot mapping per step (a dict by layer name), got "
                 f"{type(state.slot_mappings).__name__}: micro-batching is not supported"
             )
-        return self.capturer.snapshot(n, state.slot_mappings[self.attn_layer][:n])
+        slots = state.slot_mappings[self.attn_layer]
+        if self._rows_captured is None:
+            return self.capturer.snapshot(n, slots[:n])
+        error = incomplete_capture(self._moe_layers, self._rows_captured, n)
+        if error is not None:
+            return PendingSnapshot(self.capturer.spec, n, error=error)
+        # A numpy slice of the CPU slot mapping, not a torch slice: cheaper in a step.
+        return self.capturer.snapshot(n, slots.numpy()[:n])
+
+
+def incomplete_capture(moe_layers: frozenset[int], rows_captured: dict[int, int], num_tokens: int) -> ValueError | None:
+    """The error for a step whose ledger (layer id -> rows its capture wrote) shows a
+    MoE layer that wrote fewer than ``num_tokens`` rows, or none; ``None`` if every
+    MoE layer wrote them all. Bounded by two C-level passes over the layers."""
+    if moe_layers.issubset(rows_captured) and min(rows_captured.values(), default=num_tokens) >= num_tokens:
+        return None
+    short = sorted(layer for layer in moe_layers if rows_captured.get(layer, 0) < num_tokens)
+    if not short:  # only a layer outside moe_layers wrote fewer rows
+        return None
+    return ValueError(
+        f"routing of a step of {num_tokens} tokens is incomplete: MoE layer(s) {short} wrote "
+        f"fewer than {num_tokens} rows in this step (rows written: "
+        f"{ {layer: rows_captured.get(layer, 0) for layer in short} })"
+    )
 
 
 def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
