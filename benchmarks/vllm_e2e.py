@@ -41,6 +41,10 @@ import numpy as np
 
 SCHEDULER_KEYS = ("store_batch", "get", "bookkeeping")
 WORKER_KEYS = ("worker capture", "worker snapshot")
+# The whole of the model runner's sample_tokens, timed in every configuration: where
+# vLLM makes its inline int32 copy and slotroute takes its snapshot, so its excess over
+# "off" compares the two paths' host copies (with the sampling's noise).
+SAMPLE_KEY = "worker sample_tokens"
 CONFIGS = {
     "off": {"SLOTROUTE_DISABLE": "1"},
     "vllm": {"SLOTROUTE_VLLM_MODE": "cpu-capture-only"},
@@ -107,8 +111,22 @@ class Timed:
         setattr(owner, name, staticmethod(timed) if static else timed)
 
 
+def time_sample_tokens(timed: Timed) -> None:
+    """Time ``CPUModelRunner.sample_tokens`` as it is when called, so that a patch the
+    plugin applies later to ``GPUModelRunner.sample_tokens`` is inside the timing."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    def sample_tokens(self, *args, **kwargs):
+        return GPUModelRunner.sample_tokens(self, *args, **kwargs)
+
+    CPUModelRunner.sample_tokens = sample_tokens
+    timed.wrap(CPUModelRunner, "sample_tokens", SAMPLE_KEY)
+
+
 def instrument(config: str) -> Timed:
     timed = Timed()
+    time_sample_tokens(timed)
     if config == "vllm":
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
             RoutedExpertsCapturer,
@@ -235,7 +253,7 @@ def report(results: dict[str, list[dict]], args) -> None:
     header = (
         "config", "tok/s best", "vs off", "tok/s median", "steps", "routing B/step", "slot_mapping B/step",
         "store_batch us/step", "get us/step", "bookkeeping us/step", "memcpy of step bytes us",
-        "worker capture us/step", "worker snapshot us/step",
+        "worker capture us/step", "worker snapshot us/step", "sample_tokens us/step",
     )  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -254,6 +272,7 @@ def report(results: dict[str, list[dict]], args) -> None:
             f"{1e6 * min(r['memcpy_step_bytes_s'] for r in results[config]):.2f}",
             f"{per_step_us(config, 'worker capture'):.1f}",
             f"{per_step_us(config, 'worker snapshot'):.1f}",
+            f"{per_step_us(config, SAMPLE_KEY):.1f}",
         )
         print("| " + " | ".join(row) + " |")
 
@@ -269,6 +288,11 @@ def report(results: dict[str, list[dict]], args) -> None:
     print(
         f"worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
         f"vllm {work['vllm']:.1f} us (+ its inline int32 copy), slotroute {work['slotroute']:.1f} us"
+    )
+    sample = {c: per_step_us(c, SAMPLE_KEY) for c in results}
+    print(
+        f"sample_tokens per step over off (vLLM's inline int32 copy against slotroute's snapshot): "
+        f"vllm {sample['vllm'] - sample['off']:+.1f} us, slotroute {sample['slotroute'] - sample['off']:+.1f} us"
     )
     shipped = {c: first(c, "routing_bytes_per_step") for c in ("vllm", "slotroute")}
     with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in ("vllm", "slotroute")}
