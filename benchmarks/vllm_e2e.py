@@ -167,7 +167,7 @@ def memcpy_seconds(nbytes: int, repeats: int = 2000) -> float:
 
 def child(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from slotroute.demo import drive, start_engine
+    from slotroute.vllm.engine import drive, start_engine
 
     timed = instrument(args.child)
     llm, engine_start_s = start_engine(job(args, routing=args.child != "off"))
