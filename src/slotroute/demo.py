@@ -158,7 +158,7 @@ class EngineRun:
 def run_engine(
     job: EngineJob, workload: Sequence[DemoRequest], progress: Callable[[str], None] = lambda _: None
 ) -> EngineRun:
-    """``start_engine(job)``, then ``drive`` ``workload`` through it.
+    """``slotroute.vllm.engine.start_engine(job)``, then ``drive`` ``workload`` through it.
 
     Returns
     -------

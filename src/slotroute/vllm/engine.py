@@ -70,7 +70,7 @@ def drive(llm, workload: Sequence[DemoRequest], progress: Callable[[str], None] 
     engine = llm.llm_engine
     pending = sorted(workload, key=lambda r: r.arrive_step)
     abort_after = {r.name: r.abort_after for r in workload if r.abort_after is not None}
-    latest, finished = {}, {}
+    finished = {}
     step = 0
     started = time.perf_counter()
     while pending or engine.has_unfinished_requests():
@@ -81,7 +81,6 @@ def drive(llm, workload: Sequence[DemoRequest], progress: Callable[[str], None] 
             )
             engine.add_request(request.name, {"prompt_token_ids": request.prompt}, params)
         for output in engine.step():
-            latest[output.request_id] = output
             if output.finished:
                 finished[output.request_id] = output
             elif len(output.outputs[0].token_ids) >= abort_after.get(output.request_id, 1 << 62):
