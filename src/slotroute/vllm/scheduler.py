@@ -80,7 +80,6 @@ class SchedulerRouting:
     def __init__(self, store: RoutedExpertsManager, attn_gid: int) -> None:
         self.store = store
         self.attn_gid = attn_gid
-        self.block_size = store.block_size
         self._step = 0
         # Block ids handed out since the last schedule() returned.
         self._allocated: list[int] = []

@@ -244,7 +244,7 @@ def _make_init_capturer(original):
 
 def _make_execute_model(original):
     """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.execute_model``:
-    resets the capture rows before the forward."""
+    prepares the step's capture before the forward (``WorkerRouting.begin_step``)."""
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         routing = self.__dict__.get(_ATTR)
