@@ -46,6 +46,19 @@ def rows_as_bytes_from(rows: int):
     return _threshold("ROWS_AS_BYTES_FROM", rows)
 
 
+def few_rows(rows: int):
+    """Take the decode-step path (slots checked in Python, one stamp per batch) for
+    batches of at most ``rows`` rows; 0 sends every batch down the prefill path."""
+    return _threshold("FEW_ROWS", rows)
+
+
+@pytest.fixture(params=["decode path", "prefill path"])
+def step_path(request):
+    """Run the test through each of store_batch's two paths (batches here are small)."""
+    with few_rows(store_module.FEW_ROWS if request.param == "decode path" else 0):
+        yield
+
+
 @pytest.fixture
 def slice_path():
     with runs_from(2):
@@ -121,9 +134,11 @@ class StoreMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 3, 4, 16]),
         search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
         bytes_from=st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]),
+        few=st.sampled_from([0, store_module.FEW_ROWS]),
     )
-    def setup(self, spec, num_blocks, block_size, search_runs_from, bytes_from):
+    def setup(self, spec, num_blocks, block_size, search_runs_from, bytes_from, few):
         self._thresholds = contextlib.ExitStack()
+        self._thresholds.enter_context(few_rows(few))
         self._thresholds.enter_context(runs_from(search_runs_from))
         self._thresholds.enter_context(rows_as_bytes_from(bytes_from))
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
@@ -307,7 +322,7 @@ def test_store_batch_accepts_every_input_dtype(spec, dtype):
     np.testing.assert_array_equal(out, data.astype(spec.storage_dtype))
 
 
-def test_store_batch_skips_padding_rows_without_checking_them():
+def test_store_batch_skips_padding_rows_without_checking_them(step_path):
     mgr = make()
     data = routing(mgr.spec, 4, dtype=np.int32)
     data[1] = 999  # garbage in a padding row
@@ -317,7 +332,7 @@ def test_store_batch_skips_padding_rows_without_checking_them():
     assert mgr.stats().slots_written == 2
 
 
-def test_store_batch_of_only_padding_writes_nothing():
+def test_store_batch_of_only_padding_writes_nothing(step_path):
     mgr = make()
     before = Snapshot(mgr)
     mgr.store_batch(routing(mgr.spec, 3), np.full(3, -1))
@@ -332,10 +347,10 @@ def test_store_batch_of_zero_rows_writes_nothing():
     before.assert_unchanged(mgr)
 
 
-def test_store_batch_last_write_wins_for_repeated_slots():
+def test_store_batch_last_write_wins_for_repeated_slots(step_path):
     mgr = make(num_blocks=2, block_size=4)
-    data = routing(mgr.spec, 200, seed=3)
-    slots = np.tile(np.arange(8), 25)[::-1].copy()  # every slot 25 times, out of order
+    data = routing(mgr.spec, 40, seed=3)
+    slots = np.tile(np.arange(8), 5)[::-1].copy()  # every slot 5 times, out of order
     mgr.store_batch(data, slots)
     last = {s: i for i, s in enumerate(slots.tolist())}
     np.testing.assert_array_equal(mgr.get([0, 1], 8), data[[last[s] for s in range(8)]])
@@ -475,7 +490,7 @@ def test_store_batch_overwrite_replaces_routing():
         (SPECS[2], np.int32, 65536 + 5),  # would wrap to 5 in uint16 storage
     ],
 )
-def test_store_batch_rejects_expert_id_outside_range_and_writes_nothing(spec, dtype, value):
+def test_store_batch_rejects_expert_id_outside_range_and_writes_nothing(spec, dtype, value, step_path):
     mgr = make(spec)
     data = routing(spec, 3, dtype=dtype)
     data[2, -1, 0] = value
@@ -485,7 +500,7 @@ def test_store_batch_rejects_expert_id_outside_range_and_writes_nothing(spec, dt
     before.assert_unchanged(mgr)
 
 
-def test_store_batch_rejects_slot_beyond_capacity_and_writes_nothing():
+def test_store_batch_rejects_slot_beyond_capacity_and_writes_nothing(step_path):
     mgr = make(num_blocks=2, block_size=4)
     before = Snapshot(mgr)
     with pytest.raises(IndexError, match=r"slot 8 \(row 1\) is out of range: the store has 8 slots"):
@@ -679,7 +694,7 @@ def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
     rows = routing(spec, len(slots), seed=seed, dtype=dtype)
     with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))), rows_as_bytes_from(
         data.draw(st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]))
-    ):
+    ), few_rows(data.draw(st.sampled_from([0, store_module.FEW_ROWS]))):
         mgr.store_batch(rows, slots)
     ref = {s: rows[i] for i, s in enumerate(slots.tolist()) if s >= 0}
     buffer = mgr.routed_experts_by_slot

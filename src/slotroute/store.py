@@ -23,6 +23,10 @@ INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.
 # larger than any valid one, so ``max(view) < num_experts`` checks both bounds.
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
+# Steps of at most this many rows (decode steps) check their slots in Python and
+# share one stamp: four numpy calls in all, which bound a step's cost between two
+# forward passes, where every call runs with cold caches.
+FEW_ROWS = 64
 # Runs of consecutive slots copied as slices: a slice costs about a microsecond of
 # Python overhead, a scattered row a few tens of nanoseconds, so only runs of at
 # least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
@@ -98,7 +102,7 @@ class RoutedExpertsManager:
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
         # Ids of dtypes whose whole range is valid need no range check.
-        self._check_ids = {
+        self._check_ids_of = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
         }
         # The buffer's rows as single items of raw bytes: numpy scatters one item
@@ -142,36 +146,11 @@ class RoutedExpertsManager:
         IndexError
             A slot >= ``num_slots``.
         """
-        data, slots = self._checked_batch(data, slot_mapping)
-        n = slots.shape[0]
-        if n == 0:
-            return
-        if n == 1:  # a decode step: bounded by Python call overhead, keep it short
-            self._last_stamp += 1
-            self._stamp[slots[0]] = self._last_stamp
-            self._buffer[slots[0]] = data[0]
-            return
-        runs, scattered = _segments(slots)
-        stamps = self._next_stamps(n)
-        # NOTE 2: last write wins. Runs are copied in row order, so where two runs
-        # overlap the later one wins. Any other repeated slot is named by a
-        # scattered row and a row stamped after it (runs are stamped after every
-        # scattered row; numpy keeps one value of an index repeated within a
-        # scatter): that scattered row reads back a stamp not its own, and the
-        # batch is reduced to the last row per slot. Only the scattered rows are
-        # read back. All stamps of this batch are newer than any invalidation, so
-        # the written state is right whichever row a repeated slot kept.
-        for rows, dst in scattered + runs:
-            self._stamp[dst] = stamps[rows]
-        if not self._distinct(slots, stamps, scattered):
-            data, slots = _last_write_per_slot(data, slots)
-            runs, scattered = _segments(slots)
-        if n >= ROWS_AS_BYTES_FROM and data.dtype == self._buffer.dtype and data.flags.c_contiguous:
-            src, out = _as_rows(data), self._rows
-        else:  # few rows, or wide ids narrowed as they are copied
-            src, out = data, self._buffer
-        for rows, dst in runs + scattered:
-            out[dst] = src[rows]
+        data, slots = self._checked_shapes(data, slot_mapping)
+        if slots.shape[0] <= FEW_ROWS:
+            self._store_few(data, slots)
+        else:
+            self._store_many(data, slots)
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
@@ -256,12 +235,12 @@ class RoutedExpertsManager:
 
     # -- validation (once, at the boundary) ---------------------------------------
 
-    def _checked_batch(self, data, slot_mapping) -> tuple[np.ndarray, np.ndarray]:
-        """Validate one step and drop its padding rows. Returns views where it can."""
+    def _checked_shapes(self, data, slot_mapping) -> tuple[np.ndarray, np.ndarray]:
+        """Types, dtypes and shapes of one step (no numpy pass over the values)."""
         if not isinstance(data, np.ndarray):
             raise ValueError(f"data must be a numpy array, got {type(data).__name__}")
         slots = slot_mapping if isinstance(slot_mapping, np.ndarray) else np.asarray(slot_mapping)
-        if data.dtype not in self._check_ids:
+        if data.dtype not in self._check_ids_of:
             raise ValueError(f"data dtype must be one of uint8, uint16, int32, int64, got {data.dtype}")
         if data.ndim != 3 or data.shape[1:] != self._token_shape:
             raise ValueError(
@@ -274,13 +253,10 @@ class RoutedExpertsManager:
             if slots.size or slots.dtype.kind != "f":  # np.asarray([]) is float64
                 raise ValueError(f"slot_mapping must hold integers, got dtype {slots.dtype}")
             slots = slots.astype(np.int64)
-        if slots.shape[0] == 0:
-            return data, slots
-        if slots.shape[0] <= 16:  # decode steps: Python's min/max beat two reductions
-            values = slots.tolist()
-            low, top = min(values), max(values)
-        else:
-            low, top = np.minimum.reduce(slots), np.maximum.reduce(slots)
+        return data, slots
+
+    def _checked_slots(self, data, slots, low: int, top: int) -> tuple[np.ndarray, np.ndarray]:
+        """Raise for a slot >= num_slots; drop padding rows (slots < 0)."""
         if top >= self.num_slots:
             row = int(np.argmax(slots >= self.num_slots))
             raise IndexError(
@@ -289,13 +265,14 @@ class RoutedExpertsManager:
             )
         if low < 0:
             data, slots = _drop_padding(data, slots)
-        if slots.dtype.kind == "u":  # in range now; signed so slot differences cannot wrap
-            slots = slots.astype(np.int64)
-        if self._check_ids[data.dtype] and data.size:
+        return data, slots
+
+    def _check_ids(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """Raise unless every id of ``data`` is in ``[0, num_experts)``: one pass."""
+        if self._check_ids_of[data.dtype] and data.size:
             unsigned = data if data.dtype.kind == "u" else data.view(_UNSIGNED[data.dtype.itemsize])
             if np.maximum.reduce(unsigned, axis=None) >= self.spec.num_experts:
                 raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
-        return data, slots
 
     def _checked_blocks(self, block_ids) -> np.ndarray:
         blocks = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
@@ -314,18 +291,56 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
-    def _distinct(self, slots: np.ndarray, stamps: np.ndarray, scattered) -> bool:
-        """Whether every scattered row reads back its own stamp (NOTE 2). A few slots
-        are compared in Python instead (cheaper than three numpy calls)."""
-        if slots.shape[0] <= 16:
-            return len(set(slots.tolist())) == slots.shape[0]
-        return all((self._stamp[dst] == stamps[rows]).all() for rows, dst in scattered)
+    def _store_few(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """A decode-sized step: bounded by the number of numpy calls (four), so the
+        slots are checked in Python and the batch shares one stamp."""
+        values = slots.tolist()
+        if not values:
+            return
+        low, top = min(values), max(values)
+        if low < 0 or top >= self.num_slots:
+            data, slots = self._checked_slots(data, slots, low, top)
+            values = slots.tolist()
+        self._check_ids(data, slots)
+        if len(set(values)) < len(values):
+            data, slots = _last_write_per_slot(data, slots)
+        self._last_stamp += 1
+        self._stamp[slots] = self._last_stamp
+        self._buffer[slots] = data
 
-    def _next_stamps(self, n: int) -> np.ndarray:
-        """Stamps for the next ``n`` rows, in row order (a new array)."""
+    def _store_many(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """A prefill-sized step: bounded by memory bandwidth (runs of consecutive
+        slots are copied as slices) and by the latency of the scattered rows."""
+        data, slots = self._checked_slots(data, slots, np.minimum.reduce(slots), np.maximum.reduce(slots))
+        if slots.dtype.kind == "u":  # in range now; signed so slot differences cannot wrap
+            slots = slots.astype(np.int64)
+        self._check_ids(data, slots)
+        n = slots.shape[0]
+        if n == 0:
+            return
+        runs, scattered = _segments(slots)
         first = self._last_stamp + 1
         self._last_stamp += n
-        return np.arange(first, first + n, dtype=np.int64)
+        stamps = np.arange(first, first + n, dtype=np.int64)
+        # NOTE 2: last write wins. Runs are copied in row order, so where two runs
+        # overlap the later one wins. Any other repeated slot is named by a
+        # scattered row and a row stamped after it (runs are stamped after every
+        # scattered row; numpy keeps one value of an index repeated within a
+        # scatter): that scattered row reads back a stamp not its own, and the
+        # batch is reduced to the last row per slot. Only the scattered rows are
+        # read back. All stamps of this batch are newer than any invalidation, so
+        # the written state is right whichever row a repeated slot kept.
+        for rows, dst in scattered + runs:
+            self._stamp[dst] = stamps[rows]
+        if not all((self._stamp[dst] == stamps[rows]).all() for rows, dst in scattered):
+            data, slots = _last_write_per_slot(data, slots)
+            runs, scattered = _segments(slots)
+        if n >= ROWS_AS_BYTES_FROM and data.dtype == self._buffer.dtype and data.flags.c_contiguous:
+            src, out = _as_rows(data), self._rows
+        else:  # wide ids narrowed as they are copied
+            src, out = data, self._buffer
+        for rows, dst in runs + scattered:
+            out[dst] = src[rows]
 
 
 def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
