@@ -40,6 +40,17 @@ from pathlib import Path
 import numpy as np
 
 SCHEDULER_KEYS = ("store_batch", "get", "bookkeeping")
+# The scheduler's whole schedule() + update_from_output(), timed in every configuration
+# around whatever the plugin installed: its excess over "off" is all the time routing
+# adds on the scheduler side, the plugin's wrappers and vLLM's own routing code included.
+SCHEDULER_TOTAL = "scheduler"
+# Routing shapes of the tiny checkpoint (the model's other dimensions stay tiny):
+# the default one, and one with the routing of Qwen3-30B-A3B (48 MoE layers, top-8 of
+# 128 experts: 384 ids per token instead of 16).
+SHAPES = {
+    "tiny": {},
+    "qwen3-30b-a3b": {"num_layers": 48, "top_k": 8, "num_experts": 128},
+}
 WORKER_KEYS = ("worker capture", "worker snapshot")
 # The whole of the model runner's sample_tokens, timed in every configuration: where
 # vLLM makes its inline int32 copy and slotroute takes its snapshot, so its excess over
@@ -68,7 +79,7 @@ def job(args, routing: bool):
 
     per_request = -(-(args.prompt + args.gen) // 32)
     return EngineJob(
-        model=str(default_model_dir()), prefix_caching=True, num_blocks=args.requests * per_request + 8,
+        model=str(default_model_dir(**SHAPES[args.shape])), prefix_caching=True, num_blocks=args.requests * per_request + 8,
         block_size=32, chunk=args.chunk, max_model_len=per_request * 32, routing=routing,
     )  # fmt: skip
 
@@ -124,6 +135,14 @@ def time_sample_tokens(timed: Timed) -> None:
     timed.wrap(CPUModelRunner, "sample_tokens", SAMPLE_KEY)
 
 
+def time_scheduler(timed: Timed, llm) -> None:
+    """Time the in-process scheduler's ``schedule`` and ``update_from_output`` as
+    installed now (after the plugin patched them), on the instance."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    for name in ("schedule", "update_from_output"):
+        timed.wrap(scheduler, name, SCHEDULER_TOTAL)
+
+
 def instrument(config: str) -> Timed:
     timed = Timed()
     time_sample_tokens(timed)
@@ -171,6 +190,7 @@ def child(args) -> None:
 
     timed = instrument(args.child)
     llm, engine_start_s = start_engine(job(args, routing=args.child != "off"))
+    time_scheduler(timed, llm)
     # Warm-up on other prompts: the first steps pay for kernel selection and allocation.
     drive(llm, workload(args, seed=1))
     reps = []
@@ -202,7 +222,7 @@ def run_child(config: str, args, work: Path, round_no: int) -> dict:
     command = [
         sys.executable, __file__, "--child", config, "--result", str(result_path),
         "--requests", str(args.requests), "--prompt", str(args.prompt), "--gen", str(args.gen),
-        "--chunk", str(args.chunk), "--repeats", str(args.repeats),
+        "--chunk", str(args.chunk), "--repeats", str(args.repeats), "--shape", args.shape,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("SLOTROUTE_DISABLE", "SLOTROUTE_VLLM_MODE")}
     env.update(CONFIGS[config])
@@ -246,13 +266,13 @@ def report(results: dict[str, list[dict]], args) -> None:
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, vLLM device {device}")
     print(
         f"workload: {args.requests} requests x {args.prompt} prompt + {args.gen} generated tokens, "
-        f"chunk {args.chunk}, float32 tiny Qwen3-MoE (4 layers, top-4 of 16); "
+        f"chunk {args.chunk}, float32 tiny Qwen3-MoE with {args.shape} routing ({shape_text(args.shape)}); "
         f"{args.rounds} rounds x {args.repeats} repetitions per configuration, "
         f"{'vLLM-bound OpenMP threads' if args.bind_threads else 'one OpenMP thread'}"
     )
     header = (
         "config", "tok/s best", "vs off", "tok/s median", "steps", "routing B/step", "slot_mapping B/step",
-        "store_batch us/step", "get us/step", "bookkeeping us/step", "memcpy of step bytes us",
+        "scheduler us/step", "store_batch us/step", "get us/step", "bookkeeping us/step", "memcpy of step bytes us",
         "worker capture us/step", "worker snapshot us/step", "sample_tokens us/step",
     )  # fmt: skip
     print("| " + " | ".join(header) + " |")
@@ -266,6 +286,7 @@ def report(results: dict[str, list[dict]], args) -> None:
             f"{first(config, 'steps')}",
             f"{first(config, 'routing_bytes_per_step'):.0f}",
             f"{first(config, 'slot_bytes_per_step'):.0f}",
+            f"{per_step_us(config, SCHEDULER_TOTAL):.1f}",
             f"{per_step_us(config, 'store_batch'):.1f}",
             f"{per_step_us(config, 'get'):.1f}",
             f"{per_step_us(config, 'bookkeeping'):.1f}",
@@ -281,8 +302,13 @@ def report(results: dict[str, list[dict]], args) -> None:
     print(f"throughput cost vs off (best runs): vllm {cost['vllm']:+.1%}, slotroute {cost['slotroute']:+.1%}")
     sched = {c: per_step_us(c, *SCHEDULER_KEYS) for c in ("vllm", "slotroute")}
     print(
-        f"scheduler time routing adds per step: vllm {sched['vllm']:.1f} us, slotroute {sched['slotroute']:.1f} us "
-        f"(slotroute / vllm {sched['slotroute'] / max(sched['vllm'], 1e-9):.2f})"
+        f"routing calls' time per step (store_batch + get, and slotroute's bookkeeping): vllm {sched['vllm']:.1f} us, "
+        f"slotroute {sched['slotroute']:.1f} us (slotroute / vllm {sched['slotroute'] / max(sched['vllm'], 1e-9):.2f})"
+    )
+    total = {c: per_step_us(c, SCHEDULER_TOTAL) for c in results}
+    print(
+        f"scheduler time per step (schedule + update_from_output) over off: vllm {total['vllm'] - total['off']:+.1f} us, "
+        f"slotroute {total['slotroute'] - total['off']:+.1f} us (off {total['off']:.1f} us)"
     )
     work = {c: per_step_us(c, *WORKER_KEYS) for c in ("vllm", "slotroute")}
     print(
@@ -306,6 +332,13 @@ def report(results: dict[str, list[dict]], args) -> None:
             print(f"WARNING: {config} returned routing for {sorted(routed)} of {args.requests} requests")
 
 
+def shape_text(shape: str) -> str:
+    from slotroute.tiny_model import tiny_moe_params
+
+    params = tiny_moe_params(**SHAPES[shape])
+    return f"{params['num_layers']} layers, top-{params['top_k']} of {params['num_experts']}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -313,6 +346,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
+    parser.add_argument("--shape", choices=SHAPES, default="tiny", help="routing shape of the tiny checkpoint")
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per process")
     parser.add_argument(
         "--bind-threads", action="store_true",
@@ -327,7 +361,7 @@ def main() -> None:
         return
     from slotroute.tiny_model import default_model_dir
 
-    default_model_dir()  # written once, before the children race for it
+    default_model_dir(**SHAPES[args.shape])  # written once, before the children race for it
     results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="slotroute-e2e-") as work:
         for round_no in range(1, args.rounds + 1):

@@ -279,6 +279,28 @@ def test_snapshot_result_is_the_same_object_every_time(cap, rng):
     assert pending.result() is pending.result()
 
 
+def test_snapshot_arrays_are_the_result_fields_without_the_struct(cap, rng):
+    ref = routing(rng, 6)
+    capture_all(cap, ref)
+    pending = cap.snapshot(6, np.arange(6) + 10)
+    data, slots = pending.arrays()
+    np.testing.assert_array_equal(data, ref)
+    np.testing.assert_array_equal(slots, np.arange(6) + 10)
+    lists = pending.result()
+    assert lists.routing_data is data and lists.slot_mapping is slots
+
+
+def test_snapshot_arrays_raise_as_result_does(cap, rng):
+    ref = routing(rng, 3)
+    ref[1, 0, 0] = SPEC.num_experts
+    capture_all(cap, ref)
+    pending = cap.snapshot(3, np.arange(3))
+    with pytest.raises(ValueError, match=r"outside \[0, "):
+        pending.arrays()
+    with pytest.raises(ValueError, match=r"outside \[0, "):
+        pending.result()
+
+
 def test_snapshot_of_zero_tokens_is_empty(cap):
     lists = cap.snapshot(0, np.zeros(0, dtype=np.int64)).result()
     assert lists.routing_data.shape == (0, *SPEC.token_shape)

@@ -40,12 +40,6 @@ def runs_from(rows: int):
     return _threshold("RUNS_FROM", rows)
 
 
-def rows_as_bytes_from(rows: int):
-    """Copy rows as raw-byte items from batches of ``rows`` rows on, so that small
-    test batches take that path too."""
-    return _threshold("ROWS_AS_BYTES_FROM", rows)
-
-
 def few_rows(rows: int):
     """Take the decode-step path (slots checked in Python, one stamp per batch) for
     batches of at most ``rows`` rows; 0 sends every batch down the prefill path."""
@@ -133,14 +127,12 @@ class StoreMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 12),
         block_size=st.sampled_from([1, 3, 4, 16]),
         search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
-        bytes_from=st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]),
         few=st.sampled_from([0, store_module.FEW_ROWS]),
     )
-    def setup(self, spec, num_blocks, block_size, search_runs_from, bytes_from, few):
+    def setup(self, spec, num_blocks, block_size, search_runs_from, few):
         self._thresholds = contextlib.ExitStack()
         self._thresholds.enter_context(few_rows(few))
         self._thresholds.enter_context(runs_from(search_runs_from))
-        self._thresholds.enter_context(rows_as_bytes_from(bytes_from))
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
         self.spec = spec
         self.ref: dict[int, np.ndarray] = {}
@@ -399,9 +391,8 @@ def test_store_batch_copies_runs_and_scattered_rows_to_their_slots(slice_path):
     assert mgr.stats().slots_written == len(slots)
 
 
-@pytest.mark.parametrize("bytes_from", [2, store_module.ROWS_AS_BYTES_FROM])
 @pytest.mark.parametrize("dtype", INPUT_DTYPES, ids=lambda d: np.dtype(d).name)
-def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(dtype, bytes_from):
+def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(dtype, step_path):
     from slotroute.wire import RoutedExpertsLists
 
     spec = SPECS[2] if dtype != np.uint8 else SPECS[1]
@@ -410,8 +401,7 @@ def test_store_batch_accepts_read_only_possibly_unaligned_arrays_from_the_wire(d
     slots = np.arange(50, dtype=np.int64)[::-1].copy()
     step = RoutedExpertsLists.decode(RoutedExpertsLists(data, slots).encode())
     assert not step.routing_data.flags.writeable
-    with rows_as_bytes_from(bytes_from):
-        mgr.store_batch(step.routing_data, step.slot_mapping)
+    mgr.store_batch(step.routing_data, step.slot_mapping)
     np.testing.assert_array_equal(mgr.get(list(range(13)), 50), data[::-1])
 
 
@@ -442,14 +432,23 @@ def test_store_batch_accepts_non_contiguous_data(slice_path):
     np.testing.assert_array_equal(mgr.get(list(range(75)), 300), wide[::-1])
 
 
-def test_store_batch_accepts_non_contiguous_data_in_the_storage_dtype():
+def test_store_batch_accepts_non_contiguous_data_in_the_storage_dtype(step_path):
     mgr = make(num_blocks=100, block_size=4)
     narrow = routing(mgr.spec, 300)
     data = np.asfortranarray(narrow)[::-1]  # not rows of contiguous bytes
     slots = np.random.default_rng(9).permutation(400)[:300]
-    with rows_as_bytes_from(2):
-        mgr.store_batch(data, slots)
+    mgr.store_batch(data, slots)
     np.testing.assert_array_equal(mgr.routed_experts_by_slot[slots], narrow[::-1])
+
+
+def test_store_batch_reads_a_big_endian_slot_mapping_by_value(step_path):
+    mgr = make(num_blocks=4, block_size=4)
+    data = routing(mgr.spec, 3)
+    mgr.store_batch(data, np.array([5, -1, 2], dtype=">i8"))
+    np.testing.assert_array_equal(mgr.routed_experts_by_slot[[5, 2]], data[[0, 2]])
+    assert mgr.stats().slots_written == 2
+    with pytest.raises(IndexError, match="slot 16"):
+        mgr.store_batch(data, np.array([0, 16, 1], dtype=">i4"))
 
 
 def test_store_batch_accepts_slot_mapping_as_a_list():
@@ -692,9 +691,9 @@ def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
     mgr = RoutedExpertsManager(spec, num_blocks=40, block_size=8)
     slots = data.draw(slot_mappings(mgr.num_slots, max_len=300))
     rows = routing(spec, len(slots), seed=seed, dtype=dtype)
-    with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))), rows_as_bytes_from(
-        data.draw(st.sampled_from([2, store_module.ROWS_AS_BYTES_FROM]))
-    ), few_rows(data.draw(st.sampled_from([0, store_module.FEW_ROWS]))):
+    with runs_from(data.draw(st.sampled_from([2, store_module.RUNS_FROM]))), few_rows(
+        data.draw(st.sampled_from([0, store_module.FEW_ROWS]))
+    ):
         mgr.store_batch(rows, slots)
     ref = {s: rows[i] for i, s in enumerate(slots.tolist()) if s >= 0}
     buffer = mgr.routed_experts_by_slot

@@ -223,20 +223,21 @@ class PendingSnapshot:
     :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
     """
 
-    __slots__ = ("_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_result", "_error")
+    __slots__ = ("_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_arrays", "_result", "_error")
 
     def __init__(
         self,
         spec: RoutingSpec,
         num_tokens: int,
-        result: RoutedExpertsLists | None = None,
+        arrays: tuple[np.ndarray, np.ndarray] | None = None,
         error: Exception | None = None,
         copied: torch.cuda.Event | None = None,
         pinned: tuple[torch.Tensor | np.ndarray, torch.Tensor, torch.Tensor] | None = None,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
-        self._result = result
+        self._arrays = arrays
+        self._result = None
         self._error = error
         self._copied = copied
         self._slots, self._bad, self._rows = pinned if pinned is not None else (None, None, None)
@@ -263,11 +264,20 @@ class PendingSnapshot:
             If an expert id is outside ``[0, num_experts)``, including ``-1`` for a
             (token, layer) that no ``capture()`` wrote since ``clear_buffer()``.
         """
+        arrays = self.arrays()
+        if arrays is not None and self._result is None:
+            self._result = RoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
+        return self._result
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """:meth:`result` as its two arrays ``(routing_data, slot_mapping)``, without
+        building the struct: what a caller that wraps them in its own type needs.
+        Same waiting, same arrays, same errors."""
         if self._copied is not None:
             self._resolve()
         if self._error is not None:
             raise self._error
-        return self._result
+        return self._arrays
 
     def _resolve(self) -> None:
         self._copied.synchronize()  # the pipeline's only host wait
@@ -277,7 +287,7 @@ class PendingSnapshot:
         else:
             data = self._rows.numpy().view(self._spec.storage_dtype)
             slots = self._slots if isinstance(self._slots, np.ndarray) else self._slots.numpy()
-            self._result = RoutedExpertsLists(routing_data=data, slot_mapping=slots)
+            self._arrays = (data, slots)
         self._copied = self._rows = self._bad = self._slots = None
 
 
@@ -542,7 +552,7 @@ class RoutedExpertsCapturer:
             bad = int(np.count_nonzero((ids < 0) | (ids >= num_experts)))
             return PendingSnapshot(self._spec, n, error=_range_error(self._spec, n, bad))
         data = ids.astype(self._spec.storage_dtype)
-        return PendingSnapshot(self._spec, n, result=RoutedExpertsLists(routing_data=data, slot_mapping=slots))
+        return PendingSnapshot(self._spec, n, arrays=(data, slots))
 
     def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:
         # Host cost: a pinned block from torch's cache and a handful of launches; device

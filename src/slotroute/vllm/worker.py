@@ -205,10 +205,10 @@ def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
         From ``PendingSnapshot.result``: an expert id out of range, or a MoE layer that
         captured nothing in this step.
     """
-    lists = pending.result()
-    if lists is None:
+    arrays = pending.arrays()
+    if arrays is None:
         return None
-    return VllmRoutedExpertsLists(routing_data=lists.routing_data, slot_mapping=lists.slot_mapping)
+    return VllmRoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
 
 
 class AsyncOutputWithRouting(AsyncModelRunnerOutput):
