@@ -306,7 +306,10 @@ class RoutedExpertsManager:
             return blocks.astype(np.intp)
         if blocks.dtype.kind not in "iu":
             raise ValueError(f"block_ids must hold integers, got dtype {blocks.dtype}")
-        if np.minimum.reduce(blocks) < 0 or np.maximum.reduce(blocks) >= self.num_blocks:
+        if not blocks.dtype.isnative:
+            blocks = blocks.astype(blocks.dtype.newbyteorder("="))
+        unsigned = blocks.view(_UNSIGNED[blocks.dtype.itemsize])  # negative ids come out large
+        if unsigned[unsigned.argmax()] >= self.num_blocks:
             i = int(np.argmax((blocks < 0) | (blocks >= self.num_blocks)))
             raise IndexError(
                 f"block id {int(blocks[i])} (position {i}) is out of range [0, {self.num_blocks})"
