@@ -43,7 +43,7 @@ def run(benchmark, group: str, fn):
     return benchmark(fn)
 
 
-@pytest.mark.parametrize("case", ["narrow", "int32", "baseline", "memcpy"])
+@pytest.mark.parametrize("case", ["narrow", "int32", "baseline", "memcpy", "id check"])
 def test_store_batch_of_an_8192_token_step(benchmark, preset, store_cases, case):
     run(benchmark, f"store_batch 8192 tok {preset}", store_cases[case])
 
@@ -53,10 +53,11 @@ def test_store_batch_of_one_decode_token(benchmark, preset, one_token_cases, cas
     run(benchmark, f"store_batch 1 tok {preset}", one_token_cases[case])
 
 
-@pytest.mark.parametrize("case", ["ours", "baseline", "memcpy"])
+@pytest.mark.parametrize("case", ["ours", "baseline", "memcpy", "block gather"])
 def test_get_of_a_32768_token_request(benchmark, preset, get_cases, case):
     out = run(benchmark, f"get 32768 tok {preset}", get_cases[case])
-    assert out.shape == (bench.REQUEST_TOKENS, *bench.PRESETS[preset].token_shape)
+    token_shape = bench.PRESETS[preset].token_shape
+    assert out.reshape(-1, *token_shape).shape == (bench.REQUEST_TOKENS, *token_shape)
 
 
 @pytest.mark.parametrize("case", ["encode+decode", "memcpy"])
@@ -74,5 +75,6 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
     out = capsys.readouterr().out
     assert "### gpt-oss-120b: 36 layers, top-4, 128 experts, uint8 (144 B/token)" in out
     assert out.count("| store_batch ") == 4 and "| get 32768 tok" in out and "| encode+decode" in out
+    assert "|   memcpy + id check" in out and "|   gather of the same blocks" in out
     assert "demand paging" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
