@@ -148,7 +148,14 @@ class RoutedExpertsManager:
             A slot >= ``num_slots``.
         """
         data, slots = self._checked_shapes(data, slot_mapping)
-        if slots.shape[0] == 0:
+        if slots.shape[0] <= FEW_ROWS:  # a decode-sized step: the fewer numpy calls the better
+            values = slots.tolist()
+            if values and (min(values) < 0 or max(values) >= self.num_slots):
+                data, slots = self._checked_slots(data, slots)
+                values = slots.tolist()
+            if values:
+                self._check_ids(data, slots)
+                self._store_few(data, slots, values)
             return
         # Viewed unsigned, a padding slot (< 0) exceeds every valid one, so one argmax
         # finds both padding and slots beyond the store.
@@ -158,10 +165,7 @@ class RoutedExpertsManager:
             if slots.shape[0] == 0:
                 return
         self._check_ids(data, slots)
-        if slots.shape[0] <= FEW_ROWS:
-            self._store_few(data, slots)
-        else:
-            self._store_many(data, slots)
+        self._store_many(data, slots)
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
@@ -286,7 +290,9 @@ class RoutedExpertsManager:
         ``argmax`` is a plain loop, where ``max`` sets up the ufunc reduction machinery:
         3x cheaper for small steps, the same for large ones."""
         if self._check_ids_of[data.dtype] and data.size:
-            ids = data.reshape(-1).view(_UNSIGNED[data.dtype.itemsize])
+            ids = data.reshape(-1)
+            if ids.dtype.kind == "i":
+                ids = ids.view(_UNSIGNED[ids.dtype.itemsize])
             if ids[ids.argmax()] >= self.spec.num_experts:
                 raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
 
@@ -318,11 +324,10 @@ class RoutedExpertsManager:
 
     # -- the write itself (arguments already valid) ---------------------------------
 
-    def _store_few(self, data: np.ndarray, slots: np.ndarray) -> None:
+    def _store_few(self, data: np.ndarray, slots: np.ndarray, values: list[int]) -> None:
         """A decode-sized step of valid rows: bounded by the number of numpy calls
-        (three: the list of slots, the stamp and the copy), so repeated slots are
-        found with a Python set and the batch shares one stamp."""
-        values = slots.tolist()
+        (the list of slots, the id check, the stamp and the copy), so slots are
+        checked in Python and the batch shares one stamp."""
         if len(set(values)) < len(values):
             data, slots = _last_write_per_slot(data, slots)
         self._last_stamp += 1
@@ -351,7 +356,9 @@ class RoutedExpertsManager:
         # the written state is right whichever row a repeated slot kept.
         for rows, dst in scattered + runs:
             self._stamp[dst] = stamps[rows]
-        if not all((self._stamp[dst] == stamps[rows]).all() for rows, dst in scattered):
+        # Compared as bytes: two small copies, none of numpy's ufunc set-up, which is
+        # what costs most in an engine step.
+        if any(self._stamp[dst].tobytes() != stamps[rows].tobytes() for rows, dst in scattered):
             data, slots = _last_write_per_slot(data, slots)
             runs, scattered = _segments(slots)
         src, out = self._source_rows(data)
