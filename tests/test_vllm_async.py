@@ -59,25 +59,32 @@ def async_llm(tiny_model, reference):
 class StepLog:
     """What the engine did, in order: each watched method of a live vLLM object
     appends ``(name, value)`` after it returns, where ``value`` comes from its
-    arguments and result (``None`` skips the event). Behaviour is unchanged; the
-    class methods show through again on exit."""
+    arguments and result (``None`` skips the event). Behaviour is unchanged; on exit
+    every watched object is as before."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, object]] = []
-        self._watched: list[tuple[object, str]] = []
+        self._watched: list[tuple[object, str, object]] = []
 
-    def watch(self, obj, method: str, name: str, value=lambda args, result: None) -> None:
+    def watch(self, obj, method: str, name: str, value=lambda args, result: None, before: bool = False) -> None:
+        """Log ``(name, value(args, result))`` after each call, or
+        ``(name, value(args, None))`` before it if ``before``."""
         inner = getattr(obj, method)
 
         def watched(*args, **kwargs):
+            if before:
+                self._log(name, value(args, None))
             result = inner(*args, **kwargs)
-            event = value(args, result)
-            if event is not None:
-                self.events.append((name, event))
+            if not before:
+                self._log(name, value(args, result))
             return result
 
+        self._watched.append((obj, method, obj.__dict__.get(method)))
         setattr(obj, method, watched)
-        self._watched.append((obj, method))
+
+    def _log(self, name: str, value) -> None:
+        if value is not None:
+            self.events.append((name, value))
 
     def named(self, name: str) -> list:
         return [value for event, value in self.events if event == name]
@@ -86,16 +93,23 @@ class StepLog:
         return self
 
     def __exit__(self, *exc) -> None:
-        for obj, method in reversed(self._watched):
-            delattr(obj, method)
+        for obj, method, previous in reversed(self._watched):
+            if previous is None:
+                delattr(obj, method)  # the class method shows through again
+            else:
+                setattr(obj, method, previous)
+
+
+def external_id(request_id: str) -> str:
+    """The id given to ``add_request`` (the engine core's is ``<id>-<8 random characters>``)."""
+    return request_id.rsplit("-", 1)[0]
 
 
 def non_empty(scheduler_output):
-    """The ids given to ``add_request`` of the step's requests, or ``None`` for a
-    step without tokens (the engine core's ids are ``<id>-<8 random characters>``)."""
+    """The external ids of the step's requests, or ``None`` for a step without tokens."""
     if scheduler_output.total_num_scheduled_tokens == 0:
         return None
-    return frozenset(request_id.rsplit("-", 1)[0] for request_id in scheduler_output.num_scheduled_tokens)
+    return frozenset(map(external_id, scheduler_output.num_scheduled_tokens))
 
 
 def watch_scheduling(log: StepLog, llm) -> None:
@@ -105,7 +119,7 @@ def watch_scheduling(log: StepLog, llm) -> None:
     scheduler = scheduler_of(llm)
     log.watch(scheduler, "schedule", "schedule", lambda args, out: non_empty(out))
     log.watch(scheduler, "update_from_output", "output", lambda args, out: non_empty(args[0]))
-    log.watch(scheduler, "_preempt_request", "preempt", lambda args, out: args[0].request_id)
+    log.watch(scheduler, "_preempt_request", "preempt", lambda args, out: external_id(args[0].request_id))
     log.watch(scheduler.kv_cache_manager.block_pool, "get_new_blocks", "handout",
               lambda args, blocks: frozenset(block.block_id for block in blocks) or None)
     log.watch(scheduler.routed_experts_mgr, "store_batch", "store",
@@ -124,6 +138,22 @@ def steps_in_flight_at_each_schedule(log: StepLog) -> list[int]:
         elif event == "output":
             processed += 1
     return in_flight
+
+
+def preempted_while_in_flight(log: StepLog) -> list[str]:
+    """Requests preempted inside ``schedule()`` of step s + 1 while step s, which
+    computes them, had not had its output processed."""
+    scheduled: list[frozenset] = []  # logged when schedule() returns: after its preemptions
+    processed = 0
+    preempted = []
+    for event, value in log.events:
+        if event == "schedule":
+            scheduled.append(value)
+        elif event == "output":
+            processed += 1
+        elif event == "preempt" and any(value in step for step in scheduled[processed:]):
+            preempted.append(value)
+    return preempted
 
 
 def blocks_reassigned_while_in_flight(log: StepLog) -> set[int]:
@@ -238,9 +268,34 @@ def test_blocks_preempted_with_a_step_in_flight_never_serve_stale_routing(async_
         watch_scheduling(log, async_llm)
         got = generate(async_llm, prompts, greedy(160))
     assert log.named("preempt"), "the pool of 24 blocks did not force a preemption"
+    assert preempted_while_in_flight(log), "no request was preempted while a step computing it was in flight"
     assert blocks_reassigned_while_in_flight(log), "no block was handed out while a step writing it was in flight"
     for g, prompt in zip(got, prompts):
         assert_same_completion(g, reference(prompt, 160))
+
+
+def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_own_prompt(async_llm, reference):
+    """NOTE 1 of ``SchedulerRouting``, point 2 of docs/vllm.md: a, b (220 tokens) and
+    c (260) fill the 23 usable blocks once c's last prefill chunk is scheduled; the
+    next schedule() needs a block for a decode and preempts c, whose last chunk is
+    still in flight, handing c's blocks to the others. c's output then reads its whole
+    prompt (three steps' rows) from blocks that already have a new owner."""
+    prompts = {"a": prompt_tokens(170, 220), "b": prompt_tokens(171, 220), "c": prompt_tokens(172, 260)}
+    max_tokens = {"a": 40, "b": 40, "c": 10}
+
+    def prefill_in_flight(args, _):
+        request = args[0]
+        done = request.num_computed_tokens >= request.num_prompt_tokens and request.num_output_tokens == 0
+        return request.num_prompt_tokens if done else None  # c is the one of 260 tokens
+
+    with StepLog() as log:
+        watch_scheduling(log, async_llm)
+        log.watch(scheduler_of(async_llm), "_preempt_request", "preempt at prefill end", prefill_in_flight, before=True)
+        got = generate(async_llm, list(prompts.values()), [greedy(n) for n in max_tokens.values()])
+    assert log.named("preempt at prefill end") == [len(prompts["c"])], log.named("preempt")
+    assert blocks_reassigned_while_in_flight(log)
+    for g, name in zip(got, prompts):
+        assert_same_completion(g, reference(prompts[name], max_tokens[name]))
 
 
 def test_evicted_cached_blocks_reused_under_async_scheduling_never_serve_stale_routing(async_llm, reference):
