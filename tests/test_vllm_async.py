@@ -16,7 +16,16 @@ import itertools
 import numpy as np
 import pytest
 import test_vllm_engine as scenarios
-from conftest import BLOCK_SIZE, assert_same_completion, generate, greedy, make_llm, prompt_tokens, scheduler_of
+from conftest import (
+    BLOCK_SIZE,
+    assert_same_completion,
+    completion,
+    generate,
+    greedy,
+    make_llm,
+    prompt_tokens,
+    scheduler_of,
+)
 from cpu_async import async_scheduling_on_cpu
 
 pytestmark = pytest.mark.vllm
@@ -281,28 +290,40 @@ def test_requests_preempted_with_a_step_in_flight_return_the_reference_routing(a
 
 
 def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_own_prompt(async_llm, reference):
-    """NOTE 1 of ``SchedulerRouting``, point 2 of docs/vllm.md: a, b (220 tokens) and
-    c (260) fill the 23 usable blocks once c's last prefill chunk is scheduled; the
-    next schedule() needs a block for a decode and preempts c, whose last chunk is
-    still in flight, handing c's blocks to the others. c's output then reads its whole
-    prompt (three steps' rows) through block ids that already have a new owner."""
-    prompts = {"a": prompt_tokens(170, 220), "b": prompt_tokens(171, 220), "c": prompt_tokens(172, 260)}
+    """NOTE 1 of ``SchedulerRouting``, point 2 of docs/vllm.md. a (260 tokens) and b
+    (262) hold 9 blocks each and need a tenth in the same step. c (130) arrives just
+    before: its prefill takes 126 tokens, then 4 in the step before that one, and its
+    5 blocks fill the pool. That schedule() preempts c, whose last chunk is in flight,
+    and hands c's last two blocks to a and b; the second also holds rows of c's first
+    chunk, which c's output reads when it arrives. Invalidating those blocks one output
+    early (at c's output rather than at the next) fails c with missing routing."""
+    llm_engine = async_llm.llm_engine
+    prompts = {"a": prompt_tokens(170, 260), "b": prompt_tokens(171, 262), "c": prompt_tokens(172, 130)}
     max_tokens = {"a": 40, "b": 40, "c": 10}
+    c_arrives = 29  # engine steps before c is added: its two chunks end just before a and b grow
 
     def prefill_in_flight(args, _):
         request = args[0]
         done = request.num_computed_tokens >= request.num_prompt_tokens and request.num_output_tokens == 0
-        return request.num_prompt_tokens if done else None  # c is the one of 260 tokens
+        return external_id(request.request_id) if done else None
 
+    finished = {}
     with StepLog() as log:
         watch_scheduling(log, async_llm)
         log.watch(scheduler_of(async_llm), "_preempt_request", "preempt at prefill end", prefill_in_flight,
                   before=True)
-        got = generate(async_llm, list(prompts.values()), [greedy(n) for n in max_tokens.values()])
-    assert log.named("preempt at prefill end") == [len(prompts["c"])], log.named("preempt")
+        for name in "ab":
+            llm_engine.add_request(name, {"prompt_token_ids": prompts[name]}, greedy(max_tokens[name]))
+        for step in itertools.count():
+            if step == c_arrives:
+                llm_engine.add_request("c", {"prompt_token_ids": prompts["c"]}, greedy(max_tokens["c"]))
+            finished.update({o.request_id: completion(o) for o in llm_engine.step() if o.finished})
+            if step >= c_arrives and not llm_engine.has_unfinished_requests():
+                break
+    assert log.named("preempt at prefill end") == ["c"], log.named("preempt")
     assert blocks_reassigned_while_in_flight(log)
-    for g, name in zip(got, prompts):
-        assert_same_completion(g, reference(prompts[name], max_tokens[name]))
+    for name, prompt in prompts.items():
+        assert_same_completion(finished[name], reference(prompt, max_tokens[name]))
 
 
 def test_evicted_cached_blocks_reused_under_async_scheduling_never_serve_stale_routing(async_llm, reference):
