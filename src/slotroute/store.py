@@ -213,7 +213,8 @@ class RoutedExpertsManager:
         stamps = np.take(self._stamp_by_block, used, axis=0, mode="clip")
         written = stamps > np.take(self._invalidated_at, used, mode="clip")[:, None]
         written = written.reshape(-1)[lo:hi]
-        if not written.all():
+        # argmin finds the first unwritten token: a plain loop, no ufunc set-up.
+        if written.size and not written[written.argmin()]:
             raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
         out = np.take(self._by_block, used, axis=0, mode="clip")
         return out.reshape(-1, *self._token_shape)[lo:hi]

@@ -270,7 +270,8 @@ def _make_update_from_output(original):
         routing = getattr(self, "routed_experts_mgr", None)
         if not isinstance(routing, SchedulerRouting):
             return original(self, scheduler_output, model_runner_output)
-        routing.before_output(scheduler_output)
+        if routing._pending:  # most steps queue no invalidation: skip the call
+            routing.before_output(scheduler_output)
         outputs = original(self, scheduler_output, model_runner_output)
         routing.after_output(self, outputs)
         return outputs
