@@ -143,8 +143,13 @@ def time_scheduler(timed: Timed, llm) -> None:
         timed.wrap(scheduler, name, SCHEDULER_TOTAL)
 
 
-def instrument(config: str) -> Timed:
+def instrument(config: str, breakdown: bool = True) -> Timed:
+    """Timing wrappers for a child; without ``breakdown`` only the scheduler's two
+    methods (wrapped later, by :func:`time_scheduler`), so that no wrapper inside
+    them adds to their time."""
     timed = Timed()
+    if not breakdown:
+        return timed
     time_sample_tokens(timed)
     if config == "vllm":
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
@@ -188,7 +193,7 @@ def child(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from slotroute.vllm.engine import drive, start_engine
 
-    timed = instrument(args.child)
+    timed = instrument(args.child, breakdown=not args.totals_only)
     llm, engine_start_s = start_engine(job(args, routing=args.child != "off"))
     time_scheduler(timed, llm)
     # Warm-up on other prompts: the first steps pay for kernel selection and allocation.
@@ -223,6 +228,7 @@ def run_child(config: str, args, work: Path, round_no: int) -> dict:
         sys.executable, __file__, "--child", config, "--result", str(result_path),
         "--requests", str(args.requests), "--prompt", str(args.prompt), "--gen", str(args.gen),
         "--chunk", str(args.chunk), "--repeats", str(args.repeats), "--shape", args.shape,
+        *(["--totals-only"] if args.totals_only else []),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("SLOTROUTE_DISABLE", "SLOTROUTE_VLLM_MODE")}
     env.update(CONFIGS[config])
@@ -322,10 +328,11 @@ def report(results: dict[str, list[dict]], args) -> None:
     )
     shipped = {c: first(c, "routing_bytes_per_step") for c in ("vllm", "slotroute")}
     with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in ("vllm", "slotroute")}
-    print(
-        f"bytes shipped per step, slotroute / vllm: routing_data {shipped['slotroute'] / shipped['vllm']:.3f}, "
-        f"with slot_mapping {with_slots['slotroute'] / with_slots['vllm']:.3f}"
-    )
+    if shipped["vllm"]:  # not with --totals-only, where store_batch is not wrapped
+        print(
+            f"bytes shipped per step, slotroute / vllm: routing_data {shipped['slotroute'] / shipped['vllm']:.3f}, "
+            f"with slot_mapping {with_slots['slotroute'] / with_slots['vllm']:.3f}"
+        )
     for config in ("vllm", "slotroute"):
         routed = {r["routed_requests"] for r in results[config]}
         if routed != {args.requests}:
@@ -347,6 +354,10 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens")
     parser.add_argument("--shape", choices=SHAPES, default="tiny", help="routing shape of the tiny checkpoint")
+    parser.add_argument(
+        "--totals-only", action="store_true",
+        help="time only the scheduler's schedule + update_from_output (no wrappers inside them)",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per process")
     parser.add_argument(
         "--bind-threads", action="store_true",
