@@ -311,21 +311,20 @@ def report(results: dict[str, list[dict]], args) -> None:
         f"routing calls' time per step (store_batch + get, and slotroute's bookkeeping): vllm {sched['vllm']:.1f} us, "
         f"slotroute {sched['slotroute']:.1f} us (slotroute / vllm {sched['slotroute'] / max(sched['vllm'], 1e-9):.2f})"
     )
-    total = {c: per_step_us(c, SCHEDULER_TOTAL) for c in results}
-    print(
-        f"scheduler time per step (schedule + update_from_output) over off: vllm {total['vllm'] - total['off']:+.1f} us, "
-        f"slotroute {total['slotroute'] - total['off']:+.1f} us (off {total['off']:.1f} us)"
-    )
+    def print_over_off(what: str, key: str) -> None:
+        us = {c: per_step_us(c, key) for c in results}
+        print(
+            f"{what} per step over off: vllm {us['vllm'] - us['off']:+.1f} us, "
+            f"slotroute {us['slotroute'] - us['off']:+.1f} us (off {us['off']:.1f} us)"
+        )
+
+    print_over_off("scheduler time (schedule + update_from_output)", SCHEDULER_TOTAL)
     work = {c: per_step_us(c, *WORKER_KEYS) for c in ("vllm", "slotroute")}
     print(
         f"worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
         f"vllm {work['vllm']:.1f} us (+ its inline int32 copy), slotroute {work['slotroute']:.1f} us"
     )
-    sample = {c: per_step_us(c, SAMPLE_KEY) for c in results}
-    print(
-        f"sample_tokens per step over off (vLLM's inline int32 copy against slotroute's snapshot): "
-        f"vllm {sample['vllm'] - sample['off']:+.1f} us, slotroute {sample['slotroute'] - sample['off']:+.1f} us"
-    )
+    print_over_off("sample_tokens (vLLM's inline int32 copy against slotroute's snapshot)", SAMPLE_KEY)
     shipped = {c: first(c, "routing_bytes_per_step") for c in ("vllm", "slotroute")}
     with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in ("vllm", "slotroute")}
     if shipped["vllm"]:  # not with --totals-only, where store_batch is not wrapped
