@@ -202,7 +202,7 @@ def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
     Raises
     ------
     ValueError
-        From ``PendingSnapshot.result``: an expert id out of range, or a MoE layer that
+        From ``PendingSnapshot.arrays``: an expert id out of range, or a MoE layer that
         captured nothing in this step.
     """
     arrays = pending.arrays()
