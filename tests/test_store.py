@@ -152,8 +152,10 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def invalidate(self, data):
-        blocks = data.draw(st.lists(st.integers(0, self.mgr.num_blocks - 1), max_size=4))
-        self.mgr.invalidate_blocks(blocks)
+        # Up to FEW_BLOCKS plain ints take the Python path; longer lists and arrays numpy's.
+        blocks = data.draw(st.lists(st.integers(0, self.mgr.num_blocks - 1), max_size=store_module.FEW_BLOCKS + 3))
+        as_array = data.draw(st.booleans())
+        self.mgr.invalidate_blocks(np.array(blocks, dtype=np.int64) if as_array else blocks)
         for block in blocks:
             for slot in range(block * self.mgr.block_size, (block + 1) * self.mgr.block_size):
                 self.ref.pop(slot, None)
@@ -658,15 +660,26 @@ def test_get_rejects_bad_arguments(blocks, num_tokens, token_start, match):
 # -- invalidate_blocks ----------------------------------------------------------------
 
 
-def test_invalidate_blocks_rejects_out_of_range_ids_and_changes_nothing():
+@pytest.mark.parametrize("padding", [0, 12], ids=["short list", "long list"])
+def test_invalidate_blocks_rejects_bad_ids_and_changes_nothing(padding):
+    """Short lists of plain ints are checked in Python, others by numpy: same errors."""
     mgr = make(num_blocks=4)
     mgr.store_batch(routing(mgr.spec, 16), np.arange(16))
     before = Snapshot(mgr)
+    pad = [1] * padding
     with pytest.raises(IndexError, match=r"block id 4 \(position 1\)"):
-        mgr.invalidate_blocks([0, 4])
+        mgr.invalidate_blocks([0, 4, *pad])
+    with pytest.raises(IndexError, match=r"block id -1 \(position 2\)"):
+        mgr.invalidate_blocks([0, 2, -1, *pad])
     with pytest.raises(ValueError, match="block_ids must hold integers"):
-        mgr.invalidate_blocks([0.5])
+        mgr.invalidate_blocks([0.5, *pad])
+    with pytest.raises(ValueError, match="block_ids must hold integers"):
+        mgr.invalidate_blocks([True] * (1 + padding))
     before.assert_unchanged(mgr)
+    mgr.invalidate_blocks([np.int64(1), 2, *pad])
+    with pytest.raises(MissingRoutingError):
+        mgr.get([1], 1)
+    np.testing.assert_array_equal(mgr.get([0, 3], 8)[4:], routing(mgr.spec, 16)[12:16])
 
 
 def test_invalidate_blocks_of_unwritten_block_is_harmless():

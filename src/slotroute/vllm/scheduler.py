@@ -84,7 +84,7 @@ class SchedulerRouting:
         # Block ids handed out since the last schedule() returned.
         self._allocated: list[int] = []
         # (step, block ids) to invalidate when that step's output arrives, oldest first.
-        self._pending: deque[tuple[int, np.ndarray]] = deque()
+        self._pending: deque[tuple[int, list[int]]] = deque()
         # (marker returned by get, the error) for reads that failed in this output.
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
 
@@ -141,14 +141,14 @@ class SchedulerRouting:
 
     def on_new_blocks(self, blocks: Iterable) -> None:
         """Record blocks ``BlockPool.get_new_blocks`` hands out for new data."""
-        self._allocated.extend(block.block_id for block in blocks)
+        self._allocated += [block.block_id for block in blocks]
 
     def seal_step(self, scheduler_output) -> None:
         """Tag a step scheduled just now and queue its block invalidations."""
         self._step += 1
         setattr(scheduler_output, _STEP_ATTR, self._step)
         if self._allocated:
-            self._pending.append((self._step, np.array(self._allocated, dtype=np.int64)))
+            self._pending.append((self._step, self._allocated))
             self._allocated = []
 
     def before_output(self, scheduler_output) -> None:
