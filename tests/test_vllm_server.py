@@ -1,12 +1,20 @@
 """The OpenAI-compatible server: ``vllm serve`` in a subprocess on 127.0.0.1 (API
 server and engine core in separate processes, each loading slotroute), queried with
-the ``openai`` client. ``routed_experts`` comes back base64-encoded ``.npy``."""
+the ``openai`` client. ``routed_experts`` comes back base64-encoded ``.npy``.
+
+Every test runs against a server with scheduling sync and one with it async (the
+production default on CUDA): the async server is started through a launcher script
+that installs ``cpu_async``'s stand-ins at import, so that the engine-core process,
+which vLLM spawns and which imports the launcher again as its main module, runs
+``AsyncScheduler`` with its batch queue."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,14 +26,46 @@ pytestmark = pytest.mark.vllm
 
 STARTUP_TIMEOUT_S = 300
 
+# Runs the server's entry module; at import, in the API server and in the spawned
+# engine core alike, installs the async stand-ins (kept referenced: collecting the
+# context manager would undo them) and logs which scheduler each engine core built.
+ASYNC_LAUNCHER = """
+import runpy, sys
+sys.path.insert(0, %r)
+from cpu_async import async_scheduling_on_cpu
+from vllm.v1.engine.core import EngineCore
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+ASYNC = async_scheduling_on_cpu()
+ASYNC.__enter__()
+engine_core_init = EngineCore.__init__
+
+
+def logged_init(self, *args, **kwargs):
+    engine_core_init(self, *args, **kwargs)
+    print(f"ENGINE CORE {type(self.scheduler).__name__} batch_queue={self.batch_queue is not None}", flush=True)
+
+
+EngineCore.__init__ = logged_init
+if __name__ == "__main__":
+    # __main__ stays this script: the spawned engine core imports it, not the server.
+    runpy.run_module(%r, run_name="__main__")
+"""
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def server(request, tiny_model, tmp_path_factory):
     port = free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "vllm-serve.log"
+    work = tmp_path_factory.mktemp("serve")
+    log_path = work / "vllm-serve.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # slotroute's "patched vLLM" line, per process
-    command = serve_command(tiny_model) + [
+    command = serve_command(tiny_model)
+    if request.param == "async":
+        assert command[1] == "-m", command
+        launcher = work / "serve_async.py"
+        launcher.write_text(ASYNC_LAUNCHER % (str(Path(__file__).parent), command[2]))
+        command = [sys.executable, str(launcher), *command[3:], "--async-scheduling"]
+    command += [
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
         "--dtype", "float32", "--enforce-eager", "--skip-tokenizer-init",
         "--block-size", "32", "--max-model-len", "1024", "--max-num-batched-tokens", "128",
@@ -49,6 +89,8 @@ def server(tiny_model, tmp_path_factory):
                 if time.monotonic() > deadline:
                     pytest.fail(f"vllm serve not up after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
                 time.sleep(1)
+        if request.param == "async":
+            assert "ENGINE CORE AsyncScheduler batch_queue=True" in log_path.read_text()
         yield client, log_path
     finally:
         process.terminate()
