@@ -159,3 +159,18 @@ def test_cpu_capture_only_engine_runs_vllms_own_manager_with_the_same_routing(ti
     want = reference(prompt, 5)
     assert tuple(found["tokens"]) == want.tokens
     np.testing.assert_array_equal(np.load(out), want.routed)
+
+
+def test_kv_connector_with_routed_experts_is_still_refused_by_vllm(tiny_model):
+    """KV loaded by a connector (disaggregated prefill, offloading) arrives with no
+    routing. vLLM 0.29-0.30 refuse the combination when the config is built; slotroute
+    leaves that refusal in place rather than serve such requests."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=tiny_model, dtype="float32", skip_tokenizer_init=True, enforce_eager=True,
+        enable_return_routed_experts=True,
+        kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
+    )
+    with pytest.raises(ValueError, match="incompatible with KV connectors"):
+        args.create_engine_config()
