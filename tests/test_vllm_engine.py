@@ -172,6 +172,23 @@ def test_prompt_start_at_the_prompt_length_returns_only_generated_rows(llm, refe
     np.testing.assert_array_equal(got.routed, reference(prompt, 5).routed[64:])
 
 
+def test_next_turn_reads_the_routing_its_cached_blocks_got_while_decoding(llm, reference):
+    """Multi-turn rollouts: the next turn's prompt is the last prompt, its completion
+    and new tokens, so its cached blocks hold tokens the previous turn generated. Their
+    rows come from the store as ``store_batch`` wrote them in decode steps, and equal
+    the previous turn's own routing and the reference's."""
+    first = prompt_tokens(140, 50)
+    llm.reset_prefix_cache()
+    (turn1,) = generate(llm, [first], greedy(60))
+    second = first + list(turn1.tokens) + prompt_tokens(141, 20)
+    (turn2,) = generate(llm, [second], greedy(6))
+    cached = turn2.num_cached_tokens
+    assert cached == 3 * BLOCK_SIZE and cached > len(first), "no cached block held generated tokens"
+    np.testing.assert_array_equal(turn2.routed[: len(first) + 59], turn1.routed)
+    assert_same_completion(turn1, reference(first, 60))
+    assert_same_completion(turn2, reference(second, 6))
+
+
 def test_parallel_samples_over_a_cached_prompt_each_return_their_own_routing(llm, reference):
     """GRPO-style sampling, ``n`` completions of one prompt: each child reads the
     prompt's routing from the blocks a previous request cached and samples its own
