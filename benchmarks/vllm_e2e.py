@@ -51,6 +51,9 @@ SHAPES = {
     "tiny": {},
     "qwen3-30b-a3b": {"num_layers": 48, "top_k": 8, "num_experts": 128},
 }
+# With the mp executor: the engine process unpickling what the worker process sends
+# back each step (vLLM's shared-memory MessageQueue), routing included.
+RECEIVE_KEY = "receive"
 WORKER_KEYS = ("worker capture", "worker snapshot")
 # The whole of the model runner's sample_tokens, timed in every configuration: where
 # vLLM makes its inline int32 copy and slotroute takes its snapshot, so its excess over
@@ -80,7 +83,7 @@ def job(args, routing: bool):
     per_request = -(-(args.prompt + args.gen) // 32)
     return EngineJob(
         model=str(default_model_dir(**SHAPES[args.shape])), prefix_caching=True, num_blocks=args.requests * per_request + 8,
-        block_size=32, chunk=args.chunk, max_model_len=per_request * 32, routing=routing,
+        block_size=32, chunk=args.chunk, max_model_len=per_request * 32, routing=routing, executor=args.executor,
     )  # fmt: skip
 
 
@@ -143,11 +146,27 @@ def time_scheduler(timed: Timed, llm) -> None:
         timed.wrap(scheduler, name, SCHEDULER_TOTAL)
 
 
+def time_receive(timed: Timed) -> None:
+    """Time every ``pickle.loads`` of ``vllm/distributed/device_communicators/
+    shm_broadcast.py`` in this process: with the mp executor, the engine process
+    rebuilding each worker response (``MessageQueue.dequeue``) after it arrived, not
+    the wait for it."""
+    import pickle
+    import types
+
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    timed_pickle = types.SimpleNamespace(**{n: getattr(pickle, n) for n in dir(pickle) if not n.startswith("__")})
+    timed.wrap(timed_pickle, "loads", RECEIVE_KEY)
+    shm_broadcast.pickle = timed_pickle
+
+
 def instrument(config: str, breakdown: bool = True) -> Timed:
     """Timing wrappers for a child; without ``breakdown`` only the scheduler's two
     methods (wrapped later, by :func:`time_scheduler`), so that no wrapper inside
     them adds to their time."""
     timed = Timed()
+    time_receive(timed)
     if not breakdown:
         return timed
     time_sample_tokens(timed)
@@ -228,7 +247,7 @@ def run_child(config: str, args, work: Path, round_no: int) -> dict:
         sys.executable, __file__, "--child", config, "--result", str(result_path),
         "--requests", str(args.requests), "--prompt", str(args.prompt), "--gen", str(args.gen),
         "--chunk", str(args.chunk), "--repeats", str(args.repeats), "--shape", args.shape,
-        *(["--totals-only"] if args.totals_only else []),
+        "--executor", args.executor, *(["--totals-only"] if args.totals_only else []),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("SLOTROUTE_DISABLE", "SLOTROUTE_VLLM_MODE")}
     env.update(CONFIGS[config])
@@ -274,12 +293,13 @@ def report(results: dict[str, list[dict]], args) -> None:
         f"workload: {args.requests} requests x {args.prompt} prompt + {args.gen} generated tokens, "
         f"chunk {args.chunk}, float32 tiny Qwen3-MoE with {args.shape} routing ({shape_text(args.shape)}); "
         f"{args.rounds} rounds x {args.repeats} repetitions per configuration, "
-        f"{'vLLM-bound OpenMP threads' if args.bind_threads else 'one OpenMP thread'}"
+        f"{'vLLM-bound OpenMP threads' if args.bind_threads else 'one OpenMP thread'}, "
+        f"{args.executor} executor"
     )
     header = (
         "config", "tok/s best", "vs off", "tok/s median", "steps", "routing B/step", "slot_mapping B/step",
         "scheduler us/step", "store_batch us/step", "get us/step", "bookkeeping us/step", "memcpy of step bytes us",
-        "worker capture us/step", "worker snapshot us/step", "sample_tokens us/step",
+        "worker capture us/step", "worker snapshot us/step", "sample_tokens us/step", "receive us/step",
     )  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -300,6 +320,7 @@ def report(results: dict[str, list[dict]], args) -> None:
             f"{per_step_us(config, 'worker capture'):.1f}",
             f"{per_step_us(config, 'worker snapshot'):.1f}",
             f"{per_step_us(config, SAMPLE_KEY):.1f}",
+            f"{per_step_us(config, RECEIVE_KEY):.1f}",
         )
         print("| " + " | ".join(row) + " |")
 
@@ -319,6 +340,8 @@ def report(results: dict[str, list[dict]], args) -> None:
         )
 
     print_over_off("scheduler time (schedule + update_from_output)", SCHEDULER_TOTAL)
+    if args.executor == "mp":
+        print_over_off("engine process unpickling the worker's output", RECEIVE_KEY)
     work = {c: per_step_us(c, *WORKER_KEYS) for c in ("vllm", "slotroute")}
     print(
         f"worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
@@ -358,6 +381,10 @@ def main() -> None:
         help="time only the scheduler's schedule + update_from_output (no wrappers inside them)",
     )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per process")
+    parser.add_argument(
+        "--executor", choices=("uni", "mp"), default="uni",
+        help="mp: the worker in a process of its own, as `vllm serve` runs it (worker-side columns then stay 0)",
+    )  # fmt: skip
     parser.add_argument(
         "--bind-threads", action="store_true",
         help="let vLLM bind one OpenMP thread per core (its default); otherwise one unbound thread",

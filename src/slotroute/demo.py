@@ -127,6 +127,9 @@ class EngineJob:
     # one the CPU worker reserves a share of host memory and refuses to start when
     # that much is not free.
     kv_cache_bytes: int = 64 << 20
+    # vLLM's executor: "uni" runs the worker in the engine's process; "mp" in a process
+    # of its own, as `vllm serve` does, its output crossing a shared-memory queue.
+    executor: str = "uni"
 
 
 @dataclass
