@@ -30,7 +30,8 @@ not a copy, so the async output aliases the sampler's fresh output tensor.
 The engine core and its worker must run in the process that enters the context: the
 in-process engines of these tests (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, ``uni``
 executor) do. Engines started in other processes would need the same patches there
-(a general plugin of their own); none of these tests does that.
+(a general plugin of their own, or a main script that calls
+:func:`install_in_this_process` at import, as the server and TP=2 tests do).
 """
 
 from __future__ import annotations
@@ -116,3 +117,20 @@ def async_scheduling_on_cpu() -> Iterator[None]:
         patch.setattr(torch.cuda, "Stream", NoOpStream)
         patch.setattr(torch.cuda, "current_stream", _current_stream)
         yield
+
+
+# The context entered by install_in_this_process(), kept referenced: a collected
+# context manager would undo its patches.
+_INSTALLED: list = []
+
+
+def install_in_this_process() -> None:
+    """Enter :func:`async_scheduling_on_cpu` for the rest of this process's life.
+
+    For scripts that start engines in other processes: vLLM spawns them, and a
+    spawned process imports the parent's main script again, so a script that calls
+    this at import has the patches active in every process of its engine."""
+    if not _INSTALLED:
+        context = async_scheduling_on_cpu()
+        context.__enter__()
+        _INSTALLED.append(context)

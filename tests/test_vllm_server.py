@@ -27,16 +27,15 @@ pytestmark = pytest.mark.vllm
 STARTUP_TIMEOUT_S = 300
 
 # Runs the server's entry module; at import, in the API server and in the spawned
-# engine core alike, installs the async stand-ins (kept referenced: collecting the
-# context manager would undo them) and logs which scheduler each engine core built.
+# engine core alike, installs the async stand-ins and logs which scheduler each
+# engine core built.
 ASYNC_LAUNCHER = """
 import runpy, sys
 sys.path.insert(0, %r)
-from cpu_async import async_scheduling_on_cpu
+from cpu_async import install_in_this_process
 from vllm.v1.engine.core import EngineCore
 
-ASYNC = async_scheduling_on_cpu()
-ASYNC.__enter__()
+install_in_this_process()
 engine_core_init = EngineCore.__init__
 
 

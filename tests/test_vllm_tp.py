@@ -26,12 +26,9 @@ TP2_RUN = """
 import json, os, sys
 sys.path.insert(0, %r)
 if os.environ["TP2_ASYNC"] == "1":
-    from cpu_async import async_scheduling_on_cpu
+    from cpu_async import install_in_this_process
 
-    # Entered at import, in the engine process and in every spawned worker; kept
-    # referenced, since collecting the context manager would undo its patches.
-    ASYNC = async_scheduling_on_cpu()
-    ASYNC.__enter__()
+    install_in_this_process()  # at import: in the engine process and every spawned worker
 
 
 def main():

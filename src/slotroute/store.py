@@ -325,9 +325,7 @@ class RoutedExpertsManager:
             blocks = blocks.astype(blocks.dtype.newbyteorder("="))
         if largest_unsigned(blocks) >= self.num_blocks:
             i = int(np.argmax((blocks < 0) | (blocks >= self.num_blocks)))
-            raise IndexError(
-                f"block id {int(blocks[i])} (position {i}) is out of range [0, {self.num_blocks})"
-            )
+            raise self._block_out_of_range(i, int(blocks[i]))
         return blocks
 
     def _checked_block_list(self, block_ids: list) -> list[int] | np.ndarray:
@@ -338,8 +336,11 @@ class RoutedExpertsManager:
             return self._checked_blocks(block_ids)
         if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             i, b = next((i, b) for i, b in enumerate(block_ids) if not 0 <= b < self.num_blocks)
-            raise IndexError(f"block id {b} (position {i}) is out of range [0, {self.num_blocks})")
+            raise self._block_out_of_range(i, b)
         return block_ids
+
+    def _block_out_of_range(self, position: int, block_id: int) -> IndexError:
+        return IndexError(f"block id {block_id} (position {position}) is out of range [0, {self.num_blocks})")
 
     # -- the write itself (arguments already valid) ---------------------------------
 
