@@ -46,17 +46,37 @@ def few_rows(rows: int):
     return _threshold("FEW_ROWS", rows)
 
 
-@pytest.fixture(params=["decode path", "prefill path"])
+def numpy_only():
+    """Stores built inside this context do their work in numpy, as where the C loops
+    are not built."""
+    return _threshold("_native", None)
+
+
+@pytest.fixture(params=["C loops", "numpy decode path", "numpy prefill path"])
 def step_path(request):
-    """Run the test through each of store_batch's two paths (batches here are small)."""
-    with few_rows(store_module.FEW_ROWS if request.param == "decode path" else 0):
+    """Run the test through the C loops and each of the numpy path's two ways of
+    storing a step (batches here are small)."""
+    if request.param == "C loops":
+        yield
+        return
+    with numpy_only(), few_rows(store_module.FEW_ROWS if request.param == "numpy decode path" else 0):
         yield
 
 
-@pytest.fixture
-def slice_path():
-    with runs_from(2):
+@pytest.fixture(params=["C loops", "numpy slices"])
+def slice_path(request):
+    """The C loops, and the numpy path copying runs of two or more slots as slices."""
+    if request.param == "C loops":
         yield
+        return
+    with numpy_only(), runs_from(2):
+        yield
+
+
+def test_the_c_loops_are_built():
+    # The install the tests run on builds slotroute._native; without it every
+    # "C loops" case above would test numpy twice.
+    assert store_module._native is not None
 
 
 def make(spec: RoutingSpec = SPECS[0], num_blocks: int = 8, block_size: int = 4) -> RoutedExpertsManager:
@@ -128,9 +148,12 @@ class StoreMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 3, 4, 16]),
         search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
         few=st.sampled_from([0, store_module.FEW_ROWS]),
+        native=st.booleans(),
     )
-    def setup(self, spec, num_blocks, block_size, search_runs_from, few):
+    def setup(self, spec, num_blocks, block_size, search_runs_from, few, native):
         self._thresholds = contextlib.ExitStack()
+        if not native:
+            self._thresholds.enter_context(numpy_only())
         self._thresholds.enter_context(few_rows(few))
         self._thresholds.enter_context(runs_from(search_runs_from))
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
@@ -207,8 +230,8 @@ class StoreMachine(RuleBasedStateMachine):
         before.assert_unchanged(self.mgr)
 
     def teardown(self):
-        if hasattr(self, "_runs"):
-            self._thresholds.__exit__(None, None, None)
+        if hasattr(self, "_thresholds"):
+            self._thresholds.close()
 
     @invariant()
     def slots_written_counts_reference(self):
@@ -655,6 +678,77 @@ def test_get_rejects_bad_arguments(blocks, num_tokens, token_start, match):
     mgr.store_batch(routing(mgr.spec, 8), np.arange(8))
     with pytest.raises(ValueError, match=match):
         mgr.get(blocks, num_tokens, token_start)
+
+
+# -- engine-sized steps: both implementations agree -------------------------------------
+
+# Rows of 329 and 630 bytes: runs start and end off the C loop's 16-byte stores.
+ENGINE_SPECS = (RoutingSpec(47, 7, 128), RoutingSpec(45, 7, 300))
+
+
+def engine_step(spec: RoutingSpec, num_blocks: int, block_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Scattered decode rows (one repeating a slot of the run after them), a run of
+    about half a MiB over consecutive slots (past the C loop's streaming and GIL
+    thresholds), tail padding."""
+    rng = np.random.default_rng(seed)
+    run_blocks = 1024 * 1024 // 2 // spec.bytes_per_token // block_size
+    first = int(rng.integers(0, num_blocks - run_blocks))
+    run = np.arange(first * block_size, (first + run_blocks) * block_size)
+    free = np.setdiff1d(np.arange(num_blocks * block_size), run)
+    decodes = rng.choice(free, 40, replace=False)
+    decodes[7] = run[5]
+    slots = np.concatenate([decodes, run, [-1, -1, -1]])
+    return routing(spec, slots.shape[0], seed=seed), slots
+
+
+@pytest.mark.parametrize(
+    "spec, dtype",
+    [(s, d) for s in ENGINE_SPECS for d in INPUT_DTYPES if np.iinfo(d).max >= s.num_experts - 1],
+    ids=lambda v: v.storage_dtype.name if isinstance(v, RoutingSpec) else np.dtype(v).name,
+)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_engine_sized_steps_store_and_read_the_same_in_c_and_numpy(spec, dtype, offset):
+    num_blocks, block_size = 1024, 7  # runs start at any byte offset mod 16
+    stores = [make(spec, num_blocks, block_size)]
+    with numpy_only():
+        stores.append(make(spec, num_blocks, block_size))
+    assert stores[0]._native is not None and stores[1]._native is None
+    expected = {}
+    for seed in range(3):
+        data, slots = engine_step(spec, num_blocks, block_size, seed)
+        # Rows as a wire payload lays them: at any byte offset, read-only.
+        raw = bytearray(offset + data.astype(dtype).nbytes)
+        wire = np.frombuffer(raw, dtype=dtype, offset=offset).reshape(data.shape)
+        raw[offset:] = data.astype(dtype).tobytes()
+        wire.flags.writeable = False
+        for mgr in stores:
+            mgr.store_batch(wire, slots)
+        for slot, row in zip(slots.tolist(), data):
+            if slot >= 0:
+                expected[slot] = row
+    np.testing.assert_array_equal(stores[0].routed_experts_by_slot, stores[1].routed_experts_by_slot)
+    written = sorted(expected)
+    np.testing.assert_array_equal(stores[0].routed_experts_by_slot[written], np.array([expected[s] for s in written]))
+    # A request over 40 shuffled, fully written blocks (past the prefetch distance).
+    full = sorted({s // block_size for s in written if all(b in expected for b in range(s // block_size * block_size, (s // block_size + 1) * block_size))})
+    blocks = np.random.default_rng(9).permutation(full)[:40].tolist()
+    tokens = len(blocks) * block_size - 3
+    want = np.array([expected[blocks[t // block_size] * block_size + t % block_size] for t in range(5, tokens)])
+    for mgr in stores:
+        np.testing.assert_array_equal(mgr.get(blocks, tokens, 5), want)
+        np.testing.assert_array_equal(mgr.get(np.array(blocks, dtype=np.int32), tokens, 5), want)
+    assert stores[0].stats().slots_written == stores[1].stats().slots_written == len(expected)
+
+
+def test_get_reads_a_list_of_numpy_ints_and_rejects_ints_beyond_int64():
+    mgr = make(num_blocks=8, block_size=4)
+    data = routing(mgr.spec, 8)
+    mgr.store_batch(data, np.arange(8))
+    np.testing.assert_array_equal(mgr.get([np.int64(1), np.uint8(0)], 8), np.concatenate([data[4:], data[:4]]))
+    with pytest.raises(ValueError, match="integers"):
+        mgr.get([0, 2**70], 4)
+    with pytest.raises(ValueError, match="integers"):
+        mgr.get([True], 4)
 
 
 # -- invalidate_blocks ----------------------------------------------------------------

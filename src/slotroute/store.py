@@ -13,6 +13,11 @@ import numpy as np
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 
+try:
+    from slotroute import _native
+except ImportError:  # a source tree whose C loops are not built: numpy does the work
+    _native = None
+
 __all__ = ["INPUT_DTYPES", "RoutedExpertsManager", "StoreStats"]
 
 # Expert-id dtypes store_batch accepts: narrow ones as the capturer ships them,
@@ -32,6 +37,10 @@ def largest_unsigned(values: np.ndarray) -> int:
         values = values.view(_UNSIGNED[values.dtype.itemsize])
     return values.item(values.argmax())
 
+# Statuses of the C loops (_native.c).
+_OK, _OUT_OF_RANGE, _BAD_ID, _MISSING, _NOT_INT = range(5)
+
+# The numpy path, where the C loops are not built.
 # Steps of at most this many rows find repeated slots with a Python set of a list
 # and share one stamp, instead of scattering a stamp per row and reading it back.
 # Measured inside a CPU engine, where every numpy call runs with cold caches between
@@ -112,6 +121,8 @@ class RoutedExpertsManager:
         self._stamp_by_block = self._stamp.reshape(self.num_blocks, self.block_size)
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
+        # The C loops where they are built (NOTE 3), else numpy.
+        self._native = _native
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids_of = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
@@ -160,6 +171,9 @@ class RoutedExpertsManager:
             A slot >= ``num_slots``.
         """
         data, slots = self._checked_shapes(data, slot_mapping)
+        if self._native is not None:
+            self._store_native(data, slots)
+            return
         if slots.shape[0] <= FEW_ROWS:  # a decode-sized step: the fewer numpy calls the better
             values = slots.tolist()
             if values and (min(values) < 0 or max(values) >= self.num_slots):
@@ -203,30 +217,21 @@ class RoutedExpertsManager:
             Some token in the range has a slot not written since its block was last
             invalidated (the message lists which tokens).
         """
-        blocks = self._checked_blocks(block_ids)
-        num_tokens = _index_int("num_tokens", num_tokens)
-        token_start = _index_int("token_start", token_start)
-        capacity = blocks.shape[0] * self.block_size
-        if not 0 <= num_tokens <= capacity:
-            raise ValueError(
-                f"num_tokens must be in [0, {capacity}] for {blocks.shape[0]} blocks of "
-                f"{self.block_size}, got {num_tokens}"
-            )
-        if not 0 <= token_start <= num_tokens:
-            raise ValueError(f"token_start must be in [0, {num_tokens}] (num_tokens), got {token_start}")
-        first = token_start // self.block_size
-        used = blocks[first : -(-num_tokens // self.block_size)]
-        lo = token_start - first * self.block_size
-        hi = num_tokens - first * self.block_size
-        # Block ids are checked: mode="clip" skips numpy's per-index bounds check.
-        stamps = np.take(self._stamp_by_block, used, axis=0, mode="clip")
-        written = stamps > np.take(self._invalidated_at, used, mode="clip")[:, None]
-        written = written.reshape(-1)[lo:hi]
-        # argmin finds the first unwritten token: a plain loop, no ufunc set-up.
-        if written.size and not written[written.argmin()]:
-            raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
-        out = np.take(self._by_block, used, axis=0, mode="clip")
-        return out.reshape(-1, *self._token_shape)[lo:hi]
+        native = self._native is not None and type(block_ids) is list
+        blocks = block_ids if native else self._checked_blocks(block_ids)
+        num_tokens, token_start = self._checked_range(len(blocks), num_tokens, token_start)
+        if self._native is None:
+            return self._gather(blocks, num_tokens, token_start)
+        out = np.empty((num_tokens - token_start, *self._token_shape), dtype=self._buffer.dtype)
+        ids = blocks if native else np.ascontiguousarray(blocks, dtype=np.int64)
+        status = self._native.gather_blocks(
+            out, self._buffer, self._stamp, self._invalidated_at, ids, self.block_size, token_start, num_tokens
+        )
+        if status == _OK:
+            return out
+        if status != _MISSING:  # a list numpy must read: other int types, or a bad id
+            return self.get(self._checked_blocks(block_ids), num_tokens, token_start)
+        return self._gather(self._checked_blocks(block_ids), num_tokens, token_start)  # raises
 
     def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Mark every slot of these blocks unwritten: :meth:`get` of them raises
@@ -339,10 +344,61 @@ class RoutedExpertsManager:
             raise self._block_out_of_range(i, b)
         return block_ids
 
+    def _checked_range(self, num_blocks: int, num_tokens, token_start) -> tuple[int, int]:
+        num_tokens = _index_int("num_tokens", num_tokens)
+        token_start = _index_int("token_start", token_start)
+        capacity = num_blocks * self.block_size
+        if not 0 <= num_tokens <= capacity:
+            raise ValueError(
+                f"num_tokens must be in [0, {capacity}] for {num_blocks} blocks of "
+                f"{self.block_size}, got {num_tokens}"
+            )
+        if not 0 <= token_start <= num_tokens:
+            raise ValueError(f"token_start must be in [0, {num_tokens}] (num_tokens), got {token_start}")
+        return num_tokens, token_start
+
     def _block_out_of_range(self, position: int, block_id: int) -> IndexError:
         return IndexError(f"block id {block_id} (position {position}) is out of range [0, {self.num_blocks})")
 
-    # -- the write itself (arguments already valid) ---------------------------------
+    # -- the C loops ----------------------------------------------------------------
+
+    def _store_native(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """NOTE 3: one C call checks slots and ids, then writes rows and stamps in row
+        order (a repeated slot keeps its last row), writing nothing if a check fails;
+        numpy then finds what failed, for the message. Bounded by memory bandwidth for
+        large steps (long runs are written with non-temporal stores), by Python call
+        overhead for decode steps."""
+        if slots.dtype != np.int64 or not slots.flags.c_contiguous:
+            if slots.dtype.kind == "u" and slots.size and largest_unsigned(slots) >= self.num_slots:
+                self._checked_slots(data, slots)  # raises: beyond the store, maybe beyond int64
+            slots = slots.astype(np.int64)
+        if not data.flags.c_contiguous:
+            data = np.ascontiguousarray(data)
+        limit = self.spec.num_experts if self._check_ids_of[data.dtype] else 0
+        status = self._native.store_rows(
+            self._buffer, self._stamp, data, slots, data.itemsize, self._buffer.itemsize, limit, self._last_stamp + 1
+        )
+        if status != _OK:
+            data, slots = self._checked_slots(data, slots)  # raises for a slot beyond the store
+            raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
+        self._last_stamp += slots.shape[0]
+
+    # -- the numpy path (arguments already valid) ------------------------------------
+
+    def _gather(self, blocks: np.ndarray, num_tokens: int, token_start: int) -> np.ndarray:
+        first = token_start // self.block_size
+        used = blocks[first : -(-num_tokens // self.block_size)]
+        lo = token_start - first * self.block_size
+        hi = num_tokens - first * self.block_size
+        # Block ids are checked: mode="clip" skips numpy's per-index bounds check.
+        stamps = np.take(self._stamp_by_block, used, axis=0, mode="clip")
+        written = stamps > np.take(self._invalidated_at, used, mode="clip")[:, None]
+        written = written.reshape(-1)[lo:hi]
+        # argmin finds the first unwritten token: a plain loop, no ufunc set-up.
+        if written.size and not written[written.argmin()]:
+            raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
+        out = np.take(self._by_block, used, axis=0, mode="clip")
+        return out.reshape(-1, *self._token_shape)[lo:hi]
 
     def _store_few(self, data: np.ndarray, slots: np.ndarray, values: list[int]) -> None:
         """A decode-sized step of valid rows: bounded by the number of numpy calls

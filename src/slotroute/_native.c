@@ -1,0 +1,348 @@
+/* The two hot loops of slotroute.store, each in one pass of C.
+ *
+ * store_rows: check a step's slots and expert ids, then copy its rows into the slot
+ * buffer and stamp their slots (store.py, NOTE 1), in row order, so that a repeated
+ * slot keeps its last row. Long runs of consecutive slots are written with
+ * non-temporal stores: routing is read back when its request finishes, not now, so
+ * the copy skips reading the destination lines into cache.
+ *
+ * gather_blocks: copy a request's tokens out of its blocks, checking as it goes that
+ * every slot was written since its block was last invalidated; the next blocks'
+ * lines are prefetched while one is copied.
+ *
+ * Both take every argument already shaped and typed by store.py (C-contiguous
+ * buffers, int64 slots), check what depends on the values (slot and block ranges,
+ * expert ids, written state), and return a status instead of raising: store.py
+ * builds the error message with numpy. store_rows writes nothing unless every check
+ * passed, so a call that fails changes nothing.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Checks of ids over many rows are vectorised for AVX2 where the compiler and the C
+ * library can pick a version at load time, plain SSE2 elsewhere. */
+#if defined(__GNUC__) && defined(__x86_64__) && defined(__linux__) && !defined(__clang__)
+#define VECTOR_CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define VECTOR_CLONES
+#endif
+
+/* Statuses; store.py names them too. */
+enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4 };
+
+/* Runs of at least this many bytes go through non-temporal stores. */
+#define STREAM_FROM (64 << 10)
+/* Scattered rows and blocks: how far ahead their destination or source is prefetched. */
+#define AHEAD 4
+/* The GIL is released around copies of at least this many bytes. */
+#define RELEASE_FROM (256 << 10)
+
+/* Expert ids as store_batch accepts them. Loads through these types may be unaligned
+ * (a step decoded from the wire views its payload at any offset). */
+typedef uint8_t u8;
+typedef uint16_t u16u __attribute__((aligned(1)));
+typedef uint32_t u32u __attribute__((aligned(1)));
+typedef uint64_t u64u __attribute__((aligned(1)));
+
+/* The largest id in n items, read unsigned: a negative id reads larger than any
+ * valid one, so one comparison checks both ends. */
+#define MAX_OF(NAME, T, R)                                 \
+    VECTOR_CLONES static R NAME(const T *p, Py_ssize_t n)  \
+    {                                                      \
+        R m = 0;                                           \
+        for (Py_ssize_t i = 0; i < n; i++)                 \
+            m = p[i] > m ? p[i] : m;                       \
+        return m;                                          \
+    }
+MAX_OF(max_u8, u8, uint8_t)
+MAX_OF(max_u16, u16u, uint16_t)
+MAX_OF(max_u32, u32u, uint32_t)
+MAX_OF(max_u64, u64u, uint64_t)
+
+static uint64_t max_id(const char *p, Py_ssize_t n, int itemsize)
+{
+    switch (itemsize) {
+    case 1: return max_u8((const u8 *)p, n);
+    case 2: return max_u16((const u16u *)p, n);
+    case 4: return max_u32((const u32u *)p, n);
+    default: return max_u64((const u64u *)p, n);
+    }
+}
+
+/* Copy n bytes; from STREAM_FROM bytes on with non-temporal stores (x86). */
+static void copy_bytes(char *dst, const char *src, size_t n, int *streamed)
+{
+#if defined(__SSE2__)
+    if (n >= STREAM_FROM) {
+        size_t head = (size_t)(-(uintptr_t)dst) & 15, i = 0;
+        memcpy(dst, src, head);
+        dst += head, src += head, n -= head;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+            _mm_stream_si128((__m128i *)(dst + i), a);
+            _mm_stream_si128((__m128i *)(dst + i + 16), b);
+            _mm_stream_si128((__m128i *)(dst + i + 32), c);
+            _mm_stream_si128((__m128i *)(dst + i + 48), d);
+        }
+        memcpy(dst + i, src + i, n - i);
+        *streamed = 1;
+        return;
+    }
+#else
+    (void)streamed;
+#endif
+    memcpy(dst, src, n);
+}
+
+/* One row of ids converted from the input dtype to the storage dtype (ids checked). */
+#define CONVERT(NAME, TI, TO)                                        \
+    static void NAME(char *dst, const char *src, Py_ssize_t n)       \
+    {                                                                \
+        const TI *s = (const TI *)src;                               \
+        TO *d = (TO *)dst;                                           \
+        for (Py_ssize_t i = 0; i < n; i++)                           \
+            d[i] = (TO)s[i];                                         \
+    }
+CONVERT(u16_to_u8, u16u, uint8_t)
+CONVERT(u32_to_u8, u32u, uint8_t)
+CONVERT(u64_to_u8, u64u, uint8_t)
+CONVERT(u8_to_u16, u8, u16u)
+CONVERT(u32_to_u16, u32u, u16u)
+CONVERT(u64_to_u16, u64u, u16u)
+
+typedef void (*convert_fn)(char *, const char *, Py_ssize_t);
+
+static convert_fn converter(int in_size, int out_size)
+{
+    if (out_size == 1)
+        return in_size == 2 ? u16_to_u8 : in_size == 4 ? u32_to_u8 : u64_to_u8;
+    return in_size == 1 ? u8_to_u16 : in_size == 4 ? u32_to_u16 : u64_to_u16;
+}
+
+static void prefetch_lines(const char *p, Py_ssize_t n, int write)
+{
+    for (Py_ssize_t i = 0; i < n; i += 64) {
+        if (write)
+            __builtin_prefetch(p + i, 1, 0);
+        else
+            __builtin_prefetch(p + i, 0, 0);
+    }
+}
+
+/* Write the rows of a checked step. */
+static void write_rows(char *buffer, int64_t *stamps, const char *data, const int64_t *slots,
+                       Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
+                       long long first_stamp)
+{
+    const Py_ssize_t in_row = items * in_size, out_row = items * out_size;
+    convert_fn convert = in_size == out_size ? NULL : converter(in_size, out_size);
+    int streamed = 0;
+    Py_ssize_t i = 0;
+    while (i < n) {
+        if (slots[i] < 0) { /* padding */
+            i++;
+            continue;
+        }
+        Py_ssize_t j = i + 1; /* rows i..j-1 hold consecutive slots */
+        while (j < n && slots[j] == slots[j - 1] + 1)
+            j++;
+        if (j == i + 1 && i + AHEAD < n && slots[i + AHEAD] >= 0)
+            prefetch_lines(buffer + slots[i + AHEAD] * out_row, out_row, 1);
+        char *dst = buffer + slots[i] * out_row;
+        if (convert == NULL) {
+            copy_bytes(dst, data + i * in_row, (size_t)((j - i) * in_row), &streamed);
+        } else {
+            convert(dst, data + i * in_row, (j - i) * items);
+        }
+        for (Py_ssize_t r = i; r < j; r++)
+            stamps[slots[r]] = first_stamp + r;
+        i = j;
+    }
+#if defined(__SSE2__)
+    if (streamed)
+        _mm_sfence();
+#endif
+}
+
+PyDoc_STRVAR(store_rows_doc,
+"store_rows(buffer, stamps, data, slots, in_size, out_size, limit, first_stamp) -> int\n\n"
+"Row i of data (items of in_size bytes) into slot slots[i] of buffer (items of\n"
+"out_size bytes), stamped first_stamp + i; slots < 0 are skipped. Checks first:\n"
+"returns 1 (nothing written) if a slot is >= len(stamps), 2 if an id of a written\n"
+"row read unsigned is >= limit (limit 0: no id check), else 0.");
+
+static PyObject *store_rows(PyObject *self, PyObject *args)
+{
+    Py_buffer buffer, stamps, data, slots;
+    int in_size, out_size;
+    unsigned long long limit;
+    long long first_stamp;
+    if (!PyArg_ParseTuple(args, "w*w*y*y*iiKL", &buffer, &stamps, &data, &slots, &in_size,
+                          &out_size, &limit, &first_stamp))
+        return NULL;
+    const int64_t *s = slots.buf;
+    const Py_ssize_t n = slots.len / 8, num_slots = stamps.len / 8;
+    const Py_ssize_t items = n ? data.len / in_size / n : 0;
+    int status = OK, padded = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        padded |= s[i] < 0;
+        if (s[i] >= num_slots) {
+            status = OUT_OF_RANGE;
+            break;
+        }
+    }
+    PyThreadState *save = data.len >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    if (status == OK && limit) {
+        if (!padded) {
+            status = max_id(data.buf, n * items, in_size) >= limit ? BAD_ID : OK;
+        } else {
+            for (Py_ssize_t i = 0; i < n && status == OK; i++)
+                if (s[i] >= 0 && max_id((const char *)data.buf + i * items * in_size, items, in_size) >= limit)
+                    status = BAD_ID;
+        }
+    }
+    if (status == OK)
+        write_rows(buffer.buf, stamps.buf, data.buf, s, n, items, in_size, out_size, first_stamp);
+    if (save != NULL)
+        PyEval_RestoreThread(save);
+    PyBuffer_Release(&buffer);
+    PyBuffer_Release(&stamps);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&slots);
+    return PyLong_FromLong(status);
+}
+
+/* Block ids from a list of ints, or from a buffer of int64. */
+typedef struct {
+    PyObject *list;
+    const int64_t *ids;
+} Blocks;
+
+static inline int64_t block_at(const Blocks *b, Py_ssize_t i)
+{
+    return b->list ? (int64_t)PyLong_AsLongLong(PyList_GET_ITEM(b->list, i)) : b->ids[i];
+}
+
+PyDoc_STRVAR(gather_blocks_doc,
+"gather_blocks(out, buffer, stamps, invalidated_at, blocks, block_size, start, stop) -> int\n\n"
+"Tokens start..stop-1 of the blocks' concatenation into out, from a buffer of\n"
+"len(invalidated_at) blocks of block_size rows. blocks is a list, or an int64\n"
+"buffer. Returns 4 if a list item is not an int, 1 if a block id is out of range,\n"
+"3 if a token's slot was not written since its block's invalidation (out then holds\n"
+"garbage), else 0.");
+
+static PyObject *gather_blocks(PyObject *self, PyObject *args)
+{
+    Py_buffer out, buffer, stamps_buf, invalidated_buf, ids = {0};
+    PyObject *block_obj;
+    Py_ssize_t block_size, start, stop;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*Onnn", &out, &buffer, &stamps_buf, &invalidated_buf,
+                          &block_obj, &block_size, &start, &stop))
+        return NULL;
+    Blocks blocks = {NULL, NULL};
+    Py_ssize_t count;
+    int status = OK;
+    if (PyList_CheckExact(block_obj)) {
+        blocks.list = block_obj;
+        count = PyList_GET_SIZE(block_obj);
+        for (Py_ssize_t i = 0; i < count; i++)
+            if (!PyLong_CheckExact(PyList_GET_ITEM(block_obj, i))) {
+                status = NOT_INT;
+                break;
+            }
+    } else if (PyObject_GetBuffer(block_obj, &ids, PyBUF_C_CONTIGUOUS) == 0) {
+        blocks.ids = ids.buf;
+        count = ids.len / 8;
+    } else {
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&buffer);
+        PyBuffer_Release(&stamps_buf);
+        PyBuffer_Release(&invalidated_buf);
+        return NULL;
+    }
+    const int64_t *stamps = stamps_buf.buf, *invalidated = invalidated_buf.buf;
+    const Py_ssize_t num_blocks = invalidated_buf.len / 8;
+    const Py_ssize_t row = stop > start ? out.len / (stop - start) : 0;
+    const Py_ssize_t first = start / block_size, last = (stop + block_size - 1) / block_size;
+    for (Py_ssize_t i = 0; i < count && status == OK; i++) {
+        int64_t b = block_at(&blocks, i);
+        if (b == -1 && PyErr_Occurred()) { /* an int beyond int64 */
+            PyErr_Clear();
+            status = OUT_OF_RANGE;
+        } else if (b < 0 || b >= num_blocks) {
+            status = OUT_OF_RANGE;
+        }
+    }
+    /* Block ids are read now, with the GIL held. */
+    int64_t *used = NULL;
+    if (status == OK && last > first) {
+        used = PyMem_Malloc((size_t)(last - first) * sizeof(int64_t));
+        if (used == NULL) {
+            status = -1;
+            PyErr_NoMemory();
+        } else {
+            for (Py_ssize_t i = first; i < last; i++)
+                used[i - first] = block_at(&blocks, i);
+        }
+    }
+    if (status == OK && used != NULL) {
+        const char *src = buffer.buf;
+        char *dst = out.buf;
+        const Py_ssize_t block_bytes = block_size * row;
+        PyThreadState *save = out.len >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+        for (Py_ssize_t i = first; i < last && status == OK; i++) {
+            const int64_t b = used[i - first];
+            if (i + AHEAD < last) {
+                const int64_t ahead = used[i + AHEAD - first];
+                prefetch_lines(src + ahead * block_bytes, block_bytes, 0);
+                __builtin_prefetch(stamps + ahead * block_size, 0, 0);
+            }
+            const Py_ssize_t lo = i == first ? start - first * block_size : 0;
+            const Py_ssize_t hi = i == last - 1 ? stop - i * block_size : block_size;
+            const int64_t *stamp = stamps + b * block_size, since = invalidated[b];
+            for (Py_ssize_t t = lo; t < hi; t++)
+                if (stamp[t] <= since)
+                    status = MISSING;
+            memcpy(dst, src + b * block_bytes + lo * row, (size_t)((hi - lo) * row));
+            dst += (hi - lo) * row;
+        }
+        if (save != NULL)
+            PyEval_RestoreThread(save);
+    }
+    PyMem_Free(used);
+    if (ids.obj != NULL)
+        PyBuffer_Release(&ids);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&buffer);
+    PyBuffer_Release(&stamps_buf);
+    PyBuffer_Release(&invalidated_buf);
+    if (status < 0)
+        return NULL;
+    return PyLong_FromLong(status);
+}
+
+static PyMethodDef methods[] = {
+    {"store_rows", store_rows, METH_VARARGS, store_rows_doc},
+    {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "slotroute._native",
+    "The hot loops of slotroute.store in C (see store.py for the contract).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void)
+{
+    return PyModule_Create(&module);
+}
