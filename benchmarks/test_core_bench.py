@@ -74,7 +74,8 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
     assert main(["bench", "--rounds", "1", "--preset", "gpt-oss-120b", "--plot", str(png)]) == 0
     out = capsys.readouterr().out
     assert "### gpt-oss-120b: 36 layers, top-4, 128 experts, uint8 (144 B/token)" in out
-    assert out.count("| store_batch ") == 4 and "| get 32768 tok" in out and "| encode+decode" in out
+    assert out.count("| store_batch ") == 3 and "| get 32768 tok" in out and "| encode+decode" in out
     assert "|   memcpy + id check" in out and "|   gather of the same blocks" in out
+    assert "|   store_batch 8192 tok, uint8 in, cache-hot" in out
     assert "demand paging" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
