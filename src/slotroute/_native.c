@@ -10,11 +10,12 @@
  * every slot was written since its block was last invalidated; the next blocks'
  * lines are prefetched while one is copied.
  *
- * Both take every argument already shaped and typed by store.py (C-contiguous
- * buffers, int64 slots), check what depends on the values (slot and block ranges,
- * expert ids, written state), and return a status instead of raising: store.py
- * builds the error message with numpy. store_rows writes nothing unless every check
- * passed, so a call that fails changes nothing.
+ * Both check what depends on the values (slot and block ranges, expert ids, written
+ * state) and return a status instead of raising: store.py builds the error message
+ * with numpy. store_rows takes the step's arrays as they come and checks their
+ * layout too (C-contiguous, dtypes, shapes), so that a decode step costs one call;
+ * store.py converts anything else first. store_rows writes nothing unless every
+ * check passed, so a call that fails changes nothing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,7 +36,7 @@
 #endif
 
 /* Statuses; store.py names them too. */
-enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4 };
+enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 5 };
 
 /* Runs of at least this many bytes go through non-temporal stores. */
 #define STREAM_FROM (64 << 10)
@@ -180,51 +181,111 @@ static void write_rows(char *buffer, int64_t *stamps, const char *data, const in
 #endif
 }
 
-PyDoc_STRVAR(store_rows_doc,
-"store_rows(buffer, stamps, data, slots, in_size, out_size, limit, first_stamp) -> int\n\n"
-"Row i of data (items of in_size bytes) into slot slots[i] of buffer (items of\n"
-"out_size bytes), stamped first_stamp + i; slots < 0 are skipped. Checks first:\n"
-"returns 1 (nothing written) if a slot is >= len(stamps), 2 if an id of a written\n"
-"row read unsigned is >= limit (limit 0: no id check), else 0.");
-
-static PyObject *store_rows(PyObject *self, PyObject *args)
+/* Check a step of n rows of `items` ids, then write it (store_rows). */
+static int store_checked(Py_buffer *buffer, Py_buffer *stamps, Py_buffer *data, const int64_t *s,
+                         Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
+                         unsigned long long limit, long long first_stamp)
 {
-    Py_buffer buffer, stamps, data, slots;
-    int in_size, out_size;
-    unsigned long long limit;
-    long long first_stamp;
-    if (!PyArg_ParseTuple(args, "w*w*y*y*iiKL", &buffer, &stamps, &data, &slots, &in_size,
-                          &out_size, &limit, &first_stamp))
-        return NULL;
-    const int64_t *s = slots.buf;
-    const Py_ssize_t n = slots.len / 8, num_slots = stamps.len / 8;
-    const Py_ssize_t items = n ? data.len / in_size / n : 0;
+    const Py_ssize_t num_slots = stamps->len / 8;
     int status = OK, padded = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         padded |= s[i] < 0;
-        if (s[i] >= num_slots) {
-            status = OUT_OF_RANGE;
-            break;
-        }
+        if (s[i] >= num_slots)
+            return OUT_OF_RANGE;
     }
-    PyThreadState *save = data.len >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
-    if (status == OK && limit) {
+    PyThreadState *save = data->len >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
+    if (limit) {
         if (!padded) {
-            status = max_id(data.buf, n * items, in_size) >= limit ? BAD_ID : OK;
+            status = max_id(data->buf, n * items, in_size) >= limit ? BAD_ID : OK;
         } else {
             for (Py_ssize_t i = 0; i < n && status == OK; i++)
-                if (s[i] >= 0 && max_id((const char *)data.buf + i * items * in_size, items, in_size) >= limit)
+                if (s[i] >= 0 && max_id((const char *)data->buf + i * items * in_size, items, in_size) >= limit)
                     status = BAD_ID;
         }
     }
     if (status == OK)
-        write_rows(buffer.buf, stamps.buf, data.buf, s, n, items, in_size, out_size, first_stamp);
+        write_rows(buffer->buf, stamps->buf, data->buf, s, n, items, in_size, out_size, first_stamp);
     if (save != NULL)
         PyEval_RestoreThread(save);
+    return status;
+}
+
+/* Size of an id of this buffer format, negative for signed, 0 for any other:
+ * the dtypes store_batch accepts, in native byte order. */
+static int id_size(const char *format)
+{
+    if (format == NULL)
+        return 0;
+    if (*format == '@' || *format == '=')
+        format++;
+    if (format[1] != '\0')
+        return 0;
+    switch (*format) {
+    case 'B': return 1;
+    case 'H': return 2;
+    case 'i': return sizeof(int) == 4 ? -4 : 0;
+    case 'l': return sizeof(long) == 8 ? -8 : 0;
+    case 'q': return -8;
+    default: return 0;
+    }
+}
+
+/* A C-contiguous buffer of obj with its format and shape, or 0 with no error set. */
+static int layout_of(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0)
+        return 1;
+    PyErr_Clear();
+    return 0;
+}
+
+PyDoc_STRVAR(store_rows_doc,
+"store_rows(buffer, stamps, data, slots, num_layers, top_k, num_experts, first_stamp) -> int\n\n"
+"Row i of data, shape (N, num_layers, top_k), into slot slots[i] of buffer (the\n"
+"store's rows, uint8 or uint16 by its item size), stamped first_stamp + i; slots\n"
+"< 0 are skipped. Returns 5 (nothing done) unless data is C-contiguous uint8,\n"
+"uint16, int32 or int64 of that shape and slots C-contiguous int64 of shape (N,);\n"
+"then checks before writing: 1 if a slot is >= len(stamps), 2 if an id of a row\n"
+"written is outside [0, num_experts); 0 once written.");
+
+static PyObject *store_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "store_rows takes 8 arguments");
+        return NULL;
+    }
+    const Py_ssize_t layers = PyLong_AsSsize_t(args[4]), top_k = PyLong_AsSsize_t(args[5]);
+    const unsigned long long num_experts = PyLong_AsUnsignedLongLong(args[6]);
+    const long long first_stamp = PyLong_AsLongLong(args[7]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer buffer, stamps, data, slots;
+    if (PyObject_GetBuffer(args[0], &buffer, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &stamps, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&buffer);
+        return NULL;
+    }
+    int status = LAYOUT;
+    if (layout_of(args[2], &data)) {
+        if (layout_of(args[3], &slots)) {
+            const int in = id_size(data.format), out = id_size(buffer.format);
+            const Py_ssize_t n = data.ndim == 3 ? data.shape[0] : -1;
+            if (in != 0 && out > 0 && data.ndim == 3 && data.shape[1] == layers && data.shape[2] == top_k
+                && id_size(slots.format) == -8 && slots.ndim == 1 && slots.shape[0] == n) {
+                /* Unsigned ids need a check only if their dtype holds values >= num_experts. */
+                const int size = in < 0 ? -in : in;
+                const unsigned long long limit =
+                    in < 0 || num_experts <= (1ULL << (8 * size)) - 1 ? num_experts : 0;
+                status = store_checked(&buffer, &stamps, &data, slots.buf, n, layers * top_k, size,
+                                       out, limit, first_stamp);
+            }
+            PyBuffer_Release(&slots);
+        }
+        PyBuffer_Release(&data);
+    }
     PyBuffer_Release(&buffer);
     PyBuffer_Release(&stamps);
-    PyBuffer_Release(&data);
-    PyBuffer_Release(&slots);
     return PyLong_FromLong(status);
 }
 
@@ -339,7 +400,7 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
 }
 
 static PyMethodDef methods[] = {
-    {"store_rows", store_rows, METH_VARARGS, store_rows_doc},
+    {"store_rows", (PyCFunction)(void (*)(void))store_rows, METH_FASTCALL, store_rows_doc},
     {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -37,8 +37,8 @@ def largest_unsigned(values: np.ndarray) -> int:
         values = values.view(_UNSIGNED[values.dtype.itemsize])
     return values.item(values.argmax())
 
-# Statuses of the C loops (_native.c).
-_OK, _OUT_OF_RANGE, _BAD_ID, _MISSING, _NOT_INT = range(5)
+# Statuses of the C loops (_native.c) that store.py tells apart.
+_OK, _MISSING = 0, 3
 
 # The numpy path, where the C loops are not built.
 # Steps of at most this many rows find repeated slots with a Python set of a list
@@ -170,10 +170,22 @@ class RoutedExpertsManager:
         IndexError
             A slot >= ``num_slots``.
         """
-        data, slots = self._checked_shapes(data, slot_mapping)
-        if self._native is not None:
-            self._store_native(data, slots)
+        native = self._native
+        if native is not None:
+            # The C loop takes arrays as the worker ships them, C-contiguous with int64
+            # slots, checking their layout itself: one call per decode step. Anything
+            # else, a failed check included, takes the checks below.
+            if type(data) is np.ndarray and type(slot_mapping) is np.ndarray:
+                status = native.store_rows(
+                    self._buffer, self._stamp, data, slot_mapping, *self._token_shape,
+                    self.spec.num_experts, self._last_stamp + 1,
+                )
+                if status == _OK:
+                    self._last_stamp += data.shape[0]
+                    return
+            self._store_native(*self._checked_shapes(data, slot_mapping))
             return
+        data, slots = self._checked_shapes(data, slot_mapping)
         if slots.shape[0] <= FEW_ROWS:  # a decode-sized step: the fewer numpy calls the better
             values = slots.tolist()
             if values and (min(values) < 0 or max(values) >= self.num_slots):
@@ -374,9 +386,8 @@ class RoutedExpertsManager:
             slots = slots.astype(np.int64)
         if not data.flags.c_contiguous:
             data = np.ascontiguousarray(data)
-        limit = self.spec.num_experts if self._check_ids_of[data.dtype] else 0
         status = self._native.store_rows(
-            self._buffer, self._stamp, data, slots, data.itemsize, self._buffer.itemsize, limit, self._last_stamp + 1
+            self._buffer, self._stamp, data, slots, *self._token_shape, self.spec.num_experts, self._last_stamp + 1
         )
         if status != _OK:
             data, slots = self._checked_slots(data, slots)  # raises for a slot beyond the store
