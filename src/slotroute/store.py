@@ -40,6 +40,10 @@ def largest_unsigned(values: np.ndarray) -> int:
 # Statuses of the C loops (_native.c) that store.py tells apart.
 _OK, _MISSING = 0, 3
 
+# Lists of at most this many block ids are invalidated one by one from Python: 0.1 µs
+# per id against 1.3 µs for numpy to convert a list into an index (measured hot).
+FEW_BLOCKS = 8
+
 # The numpy path, where the C loops are not built.
 # Steps of at most this many rows find repeated slots with a Python set of a list
 # and share one stamp, instead of scattering a stamp per row and reading it back.
@@ -48,9 +52,6 @@ _OK, _MISSING = 0, 3
 # cost the same there, and the read-back is cheaper in a hot loop from about 150 rows
 # (at 8192 rows the set alone costs 250 µs).
 FEW_ROWS = 64
-# Lists of at most this many block ids are invalidated one by one from Python: 0.1 µs
-# per id against 1.3 µs for numpy to convert a list into an index (measured hot).
-FEW_BLOCKS = 8
 # Runs of consecutive slots copied as slices: a slice costs about a microsecond of
 # Python overhead, a scattered row a few tens of nanoseconds, so only runs of at
 # least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
@@ -150,9 +151,9 @@ class RoutedExpertsManager:
 
         Slots < 0 are padding: their rows are skipped and not checked. If a slot
         repeats, the last row that names it wins. Bounded by memory bandwidth for
-        large steps (runs of consecutive slots are copied as slices), by the latency of
-        scattered writes for decode tokens, and by Python call overhead for
-        single-token steps.
+        large steps (one pass reads every id, then runs of consecutive slots are
+        streamed to memory), by the latency of scattered writes for decode tokens, and
+        by Python call overhead for decode steps (one C call).
 
         Parameters
         ----------
