@@ -230,13 +230,15 @@ class RoutedExpertsManager:
             Some token in the range has a slot not written since its block was last
             invalidated (the message lists which tokens).
         """
-        native = self._native is not None and type(block_ids) is list
-        blocks = block_ids if native else self._checked_blocks(block_ids)
+        # A list goes to C as it is (C reads plain ints, checks their range); anything
+        # else through numpy's checks first.
+        as_list = self._native is not None and type(block_ids) is list
+        blocks = block_ids if as_list else self._checked_blocks(block_ids)
         num_tokens, token_start = self._checked_range(len(blocks), num_tokens, token_start)
         if self._native is None:
             return self._gather(blocks, num_tokens, token_start)
         out = np.empty((num_tokens - token_start, *self._token_shape), dtype=self._buffer.dtype)
-        ids = blocks if native else np.ascontiguousarray(blocks, dtype=np.int64)
+        ids = blocks if as_list else np.ascontiguousarray(blocks, dtype=np.int64)
         status = self._native.gather_blocks(
             out, self._buffer, self._stamp, self._invalidated_at, ids, self.block_size, token_start, num_tokens
         )
