@@ -46,6 +46,12 @@ def few_rows(rows: int):
     return _threshold("FEW_ROWS", rows)
 
 
+def streamed_results():
+    """get() writes every result with non-temporal stores, as it does results of a
+    quarter of the last-level cache or more."""
+    return _threshold("STREAM_RESULTS_FROM", 0)
+
+
 def numpy_only():
     """Stores built inside this context do their work in numpy, as where the C loops
     are not built."""
@@ -149,11 +155,14 @@ class StoreMachine(RuleBasedStateMachine):
         search_runs_from=st.sampled_from([2, store_module.RUNS_FROM]),
         few=st.sampled_from([0, store_module.FEW_ROWS]),
         native=st.booleans(),
+        stream=st.booleans(),
     )
-    def setup(self, spec, num_blocks, block_size, search_runs_from, few, native):
+    def setup(self, spec, num_blocks, block_size, search_runs_from, few, native, stream):
         self._thresholds = contextlib.ExitStack()
         if not native:
             self._thresholds.enter_context(numpy_only())
+        if stream:
+            self._thresholds.enter_context(streamed_results())
         self._thresholds.enter_context(few_rows(few))
         self._thresholds.enter_context(runs_from(search_runs_from))
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
@@ -737,7 +746,20 @@ def test_engine_sized_steps_store_and_read_the_same_in_c_and_numpy(spec, dtype, 
     for mgr in stores:
         np.testing.assert_array_equal(mgr.get(blocks, tokens, 5), want)
         np.testing.assert_array_equal(mgr.get(np.array(blocks, dtype=np.int32), tokens, 5), want)
+    with streamed_results():  # blocks of 7 rows: most copies start off a 16-byte boundary
+        np.testing.assert_array_equal(stores[0].get(blocks, tokens, 5), want)
+        np.testing.assert_array_equal(stores[0].get(blocks, tokens - 1), stores[1].get(blocks, tokens - 1))
     assert stores[0].stats().slots_written == stores[1].stats().slots_written == len(expected)
+
+
+def test_last_level_cache_is_the_largest_cache_the_kernel_reports(tmp_path):
+    for index, size in {"index0": "48K", "index2": "2048K", "index3": "32768K", "index1": "32K"}.items():
+        (tmp_path / "cache" / index).mkdir(parents=True)
+        (tmp_path / "cache" / index / "size").write_text(size + "\n")
+    assert store_module.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert store_module.last_level_cache_bytes(str(tmp_path / "absent")) is None
+    (tmp_path / "cache" / "index3" / "size").write_text("huge\n")
+    assert store_module.last_level_cache_bytes(str(tmp_path)) is None
 
 
 def test_get_reads_a_list_of_numpy_ints_and_rejects_ints_beyond_int64():

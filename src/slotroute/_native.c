@@ -40,14 +40,16 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
 
 /* Runs of at least this many bytes go through non-temporal stores. */
 #define STREAM_FROM (64 << 10)
-/* Scattered rows are prefetched for writing ROWS_AHEAD rows ahead; blocks of a gather
- * into L2, BLOCKS_AHEAD blocks ahead, up to BLOCK_PREFETCH_BYTES of each. Measured on
- * the bench's shuffled 32768-token gets (the four presets, two runs): 0.44-0.64x a
- * memcpy, against 0.35-0.64x prefetching the first 256 bytes two blocks ahead, and
- * less for kimi-k2's 15.6 KiB blocks when they are prefetched whole. */
+/* Scattered rows are prefetched for writing ROWS_AHEAD rows ahead. While a gather
+ * copies one block, it prefetches into L2 the block as many places on as make up
+ * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, and all
+ * of that block's stamps. Measured against the first 4 KiB of the block four places
+ * on, and against 16 and 32 KiB ahead, on the bench's shuffled 32768-token gets in
+ * the same rounds (docs/benchmarks.md): within noise for three presets, better for
+ * gpt-oss-120b's 2.3 KiB blocks. */
 #define ROWS_AHEAD 4
-#define BLOCKS_AHEAD 4
-#define BLOCK_PREFETCH_BYTES (4 << 10)
+#define GATHER_AHEAD (8 << 10)
+#define BLOCK_PREFETCH_BYTES (16 << 10)
 /* The GIL is released around copies of at least this many bytes. */
 #define RELEASE_FROM (256 << 10)
 
@@ -143,18 +145,24 @@ static convert_fn converter(int in_size, int out_size)
     return in_size == 1 ? u8_to_u16 : in_size == 4 ? u32_to_u16 : u64_to_u16;
 }
 
-/* Prefetch n bytes from p: for writing into L1 (a scattered row about to be
- * written), or for reading into L2 (a block about to be copied). */
-static void prefetch_for_write(const char *p, Py_ssize_t n)
+/* Prefetch every cache line holding a byte of [p, p + n): for writing into L1 (a
+ * scattered row about to be written), or for reading into L2 (a block and its
+ * stamps about to be read). Rows and blocks need not start on a line. */
+static const char *line_of(const void *p)
 {
-    for (Py_ssize_t i = 0; i < n; i += 64)
-        __builtin_prefetch(p + i, 1, 3);
+    return (const char *)((uintptr_t)p & ~(uintptr_t)63);
 }
 
-static void prefetch_to_l2(const char *p, Py_ssize_t n)
+static void prefetch_for_write(const void *p, Py_ssize_t n)
 {
-    for (Py_ssize_t i = 0; i < n; i += 64)
-        __builtin_prefetch(p + i, 0, 2);
+    for (const char *q = line_of(p), *end = (const char *)p + n; q < end; q += 64)
+        __builtin_prefetch(q, 1, 3);
+}
+
+static void prefetch_to_l2(const void *p, Py_ssize_t n)
+{
+    for (const char *q = line_of(p), *end = (const char *)p + n; q < end; q += 64)
+        __builtin_prefetch(q, 0, 2);
 }
 
 /* Write the rows of a checked step. */
@@ -318,20 +326,22 @@ static inline int64_t block_at(const Blocks *b, Py_ssize_t i)
 }
 
 PyDoc_STRVAR(gather_blocks_doc,
-"gather_blocks(out, buffer, stamps, invalidated_at, blocks, block_size, start, stop) -> int\n\n"
+"gather_blocks(out, buffer, stamps, invalidated_at, blocks, block_size, start, stop,\n"
+"              stream_from) -> int\n\n"
 "Tokens start..stop-1 of the blocks' concatenation into out, from a buffer of\n"
-"len(invalidated_at) blocks of block_size rows. blocks is a list, or an int64\n"
-"buffer. Returns 4 if a list item is not an int, 1 if a block id is out of range,\n"
-"3 if a token's slot was not written since its block's invalidation (out then holds\n"
+"len(invalidated_at) blocks of block_size rows; an out of stream_from bytes or more\n"
+"is written with non-temporal stores. blocks is a list, or an int64 buffer.\n"
+"Returns 4 if a list item is not an int, 1 if a block id is out of range, 3 if a\n"
+"token's slot was not written since its block's invalidation (out then holds\n"
 "garbage), else 0.");
 
 static PyObject *gather_blocks(PyObject *self, PyObject *args)
 {
     Py_buffer out, buffer, stamps_buf, invalidated_buf, ids = {0};
     PyObject *block_obj;
-    Py_ssize_t block_size, start, stop;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*Onnn", &out, &buffer, &stamps_buf, &invalidated_buf,
-                          &block_obj, &block_size, &start, &stop))
+    Py_ssize_t block_size, start, stop, stream_from;
+    if (!PyArg_ParseTuple(args, "w*y*y*y*Onnnn", &out, &buffer, &stamps_buf, &invalidated_buf,
+                          &block_obj, &block_size, &start, &stop, &stream_from))
         return NULL;
     Blocks blocks = {NULL, NULL};
     Py_ssize_t count;
@@ -383,14 +393,18 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
         const char *src = buffer.buf;
         char *dst = out.buf;
         const Py_ssize_t block_bytes = block_size * row;
+        /* block_bytes is 0 for an empty range (no row to copy) */
+        const Py_ssize_t ahead =
+            block_bytes == 0 || block_bytes >= GATHER_AHEAD ? 1 : (GATHER_AHEAD + block_bytes - 1) / block_bytes;
+        const Py_ssize_t prefetch_bytes = block_bytes < BLOCK_PREFETCH_BYTES ? block_bytes : BLOCK_PREFETCH_BYTES;
+        const int stream = STREAMS && out.len >= stream_from;
         PyThreadState *save = out.len >= RELEASE_FROM ? PyEval_SaveThread() : NULL;
         for (Py_ssize_t i = first; i < last && status == OK; i++) {
             const int64_t b = used[i - first];
-            if (i + BLOCKS_AHEAD < last) {
-                const int64_t ahead = used[i + BLOCKS_AHEAD - first];
-                prefetch_to_l2(src + ahead * block_bytes,
-                               block_bytes < BLOCK_PREFETCH_BYTES ? block_bytes : BLOCK_PREFETCH_BYTES);
-                __builtin_prefetch(stamps + ahead * block_size, 0, 0);
+            if (i + ahead < last) {
+                const int64_t next = used[i + ahead - first];
+                prefetch_to_l2(src + next * block_bytes, prefetch_bytes);
+                prefetch_to_l2(stamps + next * block_size, block_size * (Py_ssize_t)sizeof(int64_t));
             }
             const Py_ssize_t lo = i == first ? start - first * block_size : 0;
             const Py_ssize_t hi = i == last - 1 ? stop - i * block_size : block_size;
@@ -398,9 +412,16 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
             for (Py_ssize_t t = lo; t < hi; t++)
                 if (stamp[t] <= since)
                     status = MISSING;
-            memcpy(dst, src + b * block_bytes + lo * row, (size_t)((hi - lo) * row));
-            dst += (hi - lo) * row;
+            const char *from = src + b * block_bytes + lo * row;
+            const size_t n = (size_t)((hi - lo) * row);
+            if (stream)
+                stream_copy(dst, from, n);
+            else
+                memcpy(dst, from, n);
+            dst += n;
         }
+        if (stream)
+            store_fence();
         if (save != NULL)
             PyEval_RestoreThread(save);
     }

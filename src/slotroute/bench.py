@@ -10,11 +10,12 @@ Workloads (block_size 16):
 - store: an engine step of 8192 tokens, 512 decode tokens (one per running request,
   each in the block its request wrote last step) followed by three prefill runs of
   whole blocks over contiguous slots. Successive calls rotate through steps whose
-  prefill blocks are fresh, 64 MiB or more apart in total, so the destination is
+  prefill blocks are fresh, ROTATION_BYTES or more apart in total, so the destination is
   not cache-resident, as in a serving engine; the memcpy reference writes the same
   rotation of destinations.
 - get: a 32,768-token request whose blocks are a shuffled sample of the pool;
-  calls rotate over requests covering the whole pool (>= 64 MiB).
+  calls rotate over requests covering the whole pool (>= ROTATION_BYTES: 64 MiB, or
+  twice the last-level cache where that is larger).
 - one-token store: a decode step of a single request.
 - encode + decode of an 8192-token step in the storage dtype.
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slotroute.spec import RoutingSpec
-from slotroute.store import RoutedExpertsManager, largest_unsigned
+from slotroute.store import STREAM_RESULTS_FROM, RoutedExpertsManager, largest_unsigned, last_level_cache_bytes
 from slotroute.wire import RoutedExpertsLists
 
 __all__ = [
@@ -55,8 +56,9 @@ PRESETS = {
 BLOCK_SIZE = 16
 STEP_TOKENS = 8192
 REQUEST_TOKENS = 32768
-# Footprint the rotations cover, larger than the last-level cache of usual servers.
-ROTATION_BYTES = 64 << 20
+# Footprint the rotations cover: at least twice the last-level cache (64 MiB or more),
+# so that every call reads and writes memory, not cache.
+ROTATION_BYTES = max(64 << 20, 2 * (last_level_cache_bytes() or 0))
 MAX_ROTATION = 4096
 PLOT_STEP_TOKENS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 PLOT_REQUEST_TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 131072)
@@ -392,7 +394,12 @@ def machine() -> str:
                     break
     except OSError:
         pass
-    return f"{model}, {os.cpu_count()} CPUs, numpy {np.__version__}, Python {sys.version.split()[0]}"
+    llc = last_level_cache_bytes()
+    cache = f"{llc >> 20} MiB last-level cache" if llc else "last-level cache unknown"
+    return (
+        f"{model}, {os.cpu_count()} CPUs, {cache}, numpy {np.__version__}, Python {sys.version.split()[0]}; "
+        f"rotations over {ROTATION_BYTES >> 20} MiB, results from {STREAM_RESULTS_FROM >> 20} MiB streamed"
+    )
 
 
 def _pyplot():
