@@ -43,13 +43,11 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
 /* Scattered rows are prefetched for writing ROWS_AHEAD rows ahead. While a gather
  * copies one block, it prefetches into L2 the block as many places on as make up
  * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, and all
- * of that block's stamps. Measured against the first 4 KiB of the block four places
- * on, and against 16 and 32 KiB ahead, on the bench's shuffled 32768-token gets in
- * the same rounds (docs/benchmarks.md): within noise for three presets, better for
- * gpt-oss-120b's 2.3 KiB blocks. */
+ * of that block's stamps. Both sizes were chosen from variants timed in the same
+ * rounds on two machines (docs/store.md, "Reading a request"). */
 #define ROWS_AHEAD 4
 #define GATHER_AHEAD (8 << 10)
-#define BLOCK_PREFETCH_BYTES (16 << 10)
+#define BLOCK_PREFETCH_BYTES (8 << 10)
 /* The GIL is released around copies of at least this many bytes. */
 #define RELEASE_FROM (256 << 10)
 
