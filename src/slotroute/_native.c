@@ -44,7 +44,7 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
  * copies one block, it prefetches into L2 the block as many places on as make up
  * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, and all
  * of that block's stamps. Both sizes were chosen from variants timed in the same
- * rounds on two machines (docs/store.md, "Reading a request"). */
+ * rounds on two machines (docs/benchmarks.md, "What moved get"). */
 #define ROWS_AHEAD 4
 #define GATHER_AHEAD (8 << 10)
 #define BLOCK_PREFETCH_BYTES (8 << 10)
