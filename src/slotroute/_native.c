@@ -42,8 +42,8 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
 #define STREAM_FROM (64 << 10)
 /* Scattered rows are prefetched for writing ROWS_AHEAD rows ahead. While a gather
  * copies one block, it prefetches into L2 the block as many places on as make up
- * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, and all
- * of that block's stamps. Both sizes were chosen from variants timed in the same
+ * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, all
+ * of that block's stamps and its invalidation stamp. Both sizes were chosen from variants timed in the same
  * rounds on two machines (docs/benchmarks.md, "What moved get"). */
 #define ROWS_AHEAD 4
 #define GATHER_AHEAD (8 << 10)
@@ -403,6 +403,7 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
                 const int64_t next = used[i + ahead - first];
                 prefetch_to_l2(src + next * block_bytes, prefetch_bytes);
                 prefetch_to_l2(stamps + next * block_size, block_size * (Py_ssize_t)sizeof(int64_t));
+                __builtin_prefetch(invalidated + next, 0, 2);
             }
             const Py_ssize_t lo = i == first ? start - first * block_size : 0;
             const Py_ssize_t hi = i == last - 1 ? stop - i * block_size : block_size;
