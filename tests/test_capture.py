@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from slotroute import capture as capture_module
 from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, check_and_narrow
 from slotroute.spec import RoutingSpec
 from slotroute.wire import RoutedExpertsLists
@@ -326,6 +327,50 @@ def test_rows_a_layer_did_not_capture_raise_from_result(cap, rng):
     capture_all(cap, ref[:, :2])  # the last layer never runs this step
     with pytest.raises(ValueError, match=rf"{6 * SPEC.top_k} expert id.*no capture\(\) wrote"):
         cap.snapshot(6, np.arange(6)).result()
+
+
+def test_cpu_snapshots_take_the_c_loop():
+    # The install the tests run on builds slotroute._native; without it every CPU
+    # snapshot would silently take the numpy path the next test compares it with.
+    assert capture_module._native is not None
+
+
+@pytest.mark.parametrize("path", ["c", "numpy"])
+@pytest.mark.parametrize("num_experts", [16, 256, 300, 65536])
+@pytest.mark.parametrize("slot_dtype", [np.int64, np.int32, np.uint64, "strided", "tensor"])
+def test_cpu_snapshot_paths_narrow_check_and_copy_like_the_reference(monkeypatch, rng, path, num_experts, slot_dtype):
+    if path == "numpy":
+        monkeypatch.setattr(capture_module, "_native", None)
+    spec = RoutingSpec(num_layers=3, top_k=4, num_experts=num_experts)
+    cap = RoutedExpertsCapturer(spec, max_num_tokens=40, device="cpu")
+    for n, bad in [(0, []), (1, []), (37, []), (40, [num_experts, -1]), (5, [2**31 - 1, -(2**31), num_experts + 1])]:
+        ref = routing(rng, n, spec)
+        ref[..., 0].flat[: len(bad)] = bad
+        cap.clear_buffer()
+        capture_all(cap, ref)
+        source = rng.integers(0, 10_000, size=2 * n)
+        if slot_dtype == "strided":
+            slots = source[::2]
+        elif slot_dtype == "tensor":
+            slots = torch.from_numpy(source[:n].copy())
+        else:
+            slots = source[:n].astype(slot_dtype)
+        expected = (slots.numpy() if isinstance(slots, torch.Tensor) else slots).astype(np.int64)
+        pending = cap.snapshot(n, slots)
+        capture_all(cap, routing(rng, n, spec))  # the next step leaves this one alone
+        if isinstance(slots, torch.Tensor):
+            slots.fill_(-7)
+        else:
+            slots[...] = 7
+        if bad:
+            with pytest.raises(ValueError, match=rf"{len(bad)} expert id\(s\) outside \[0, {num_experts}\)"):
+                pending.result()
+            continue
+        data, owned = pending.arrays()
+        assert data.dtype == spec.storage_dtype and data.shape == (n, *spec.token_shape)
+        assert owned.dtype == np.int64 and owned.shape == (n,)
+        np.testing.assert_array_equal(data, ref)
+        np.testing.assert_array_equal(owned, expected)
 
 
 @pytest.mark.parametrize("num_tokens", [-1, MAX_TOKENS + 1])

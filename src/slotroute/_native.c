@@ -1,4 +1,5 @@
-/* The two hot loops of slotroute.store, each in one pass of C.
+/* The hot loops of slotroute.store, each in one pass of C, and the CPU capturer's
+ * snapshot (narrow_step).
  *
  * store_rows: check a step's slots and expert ids, then copy its rows into the slot
  * buffer and stamp their slots (store.py, NOTE 1), in row order, so that a repeated
@@ -436,8 +437,70 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
     return PyLong_FromLong(status);
 }
 
+/* A step's int32 ids narrowed to the storage dtype, counting those outside
+ * [0, limit) in the same pass (narrow_step). */
+#define NARROW(NAME, TO)                                                            \
+    VECTOR_CLONES static Py_ssize_t NAME(TO *d, const uint32_t *s, Py_ssize_t n,    \
+                                         uint32_t limit)                            \
+    {                                                                               \
+        Py_ssize_t bad = 0;                                                         \
+        for (Py_ssize_t i = 0; i < n; i++) {                                        \
+            bad += s[i] >= limit;                                                   \
+            d[i] = (TO)s[i];                                                        \
+        }                                                                           \
+        return bad;                                                                 \
+    }
+NARROW(narrow_to_u8, uint8_t)
+NARROW(narrow_to_u16, uint16_t)
+
+PyDoc_STRVAR(narrow_step_doc,
+"narrow_step(out, ids, slots_out, slots, num_experts) -> int\n\n"
+"A CPU snapshot in one pass: the int32 ids into out (uint8 or uint16, as many\n"
+"items) and the int64 slots into slots_out (as many). All four C-contiguous.\n"
+"Returns the number of ids outside [0, num_experts) (out then holds garbage), or\n"
+"-1 (nothing done) if a layout, dtype or size does not match.");
+
+static PyObject *narrow_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "narrow_step takes 5 arguments");
+        return NULL;
+    }
+    const unsigned long long num_experts = PyLong_AsUnsignedLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer views[4];
+    int got = 0;
+    while (got < 4) {
+        const int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (got % 2 == 0 ? PyBUF_WRITABLE : 0);
+        if (PyObject_GetBuffer(args[got], &views[got], flags) < 0) {
+            PyErr_Clear();
+            break;
+        }
+        got++;
+    }
+    Py_ssize_t result = -1;
+    if (got == 4) {
+        Py_buffer *out = &views[0], *ids = &views[1], *slots_out = &views[2], *slots = &views[3];
+        const int out_size = id_size(out->format);
+        const Py_ssize_t n = ids->len / 4;
+        if (id_size(ids->format) == -4 && out_size > 0 && out->len == n * out_size
+            && id_size(slots->format) == -8 && id_size(slots_out->format) == -8
+            && slots_out->len == slots->len && num_experts <= (1ULL << (8 * out_size))) {
+            const uint32_t limit = (uint32_t)num_experts;
+            result = out_size == 1 ? narrow_to_u8(out->buf, ids->buf, n, limit)
+                                   : narrow_to_u16(out->buf, ids->buf, n, limit);
+            memcpy(slots_out->buf, slots->buf, (size_t)slots->len);
+        }
+    }
+    while (got > 0)
+        PyBuffer_Release(&views[--got]);
+    return PyLong_FromSsize_t(result);
+}
+
 static PyMethodDef methods[] = {
     {"store_rows", (PyCFunction)(void (*)(void))store_rows, METH_FASTCALL, store_rows_doc},
+    {"narrow_step", (PyCFunction)(void (*)(void))narrow_step, METH_FASTCALL, narrow_step_doc},
     {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -20,6 +20,11 @@ import torch.distributed as dist
 from slotroute.spec import RoutingSpec
 from slotroute.wire import RoutedExpertsLists
 
+try:
+    from slotroute import _native
+except ImportError:  # a source tree whose C loops are not built: numpy takes CPU snapshots
+    _native = None
+
 try:  # Triton ships with the CUDA builds of torch; without it snapshots use two torch ops.
     import triton
     import triton.language as tl
@@ -351,6 +356,7 @@ class RoutedExpertsCapturer:
         # than the torch ops doing the same, while for capture() torch's copy_ measured
         # cheaper than a numpy assignment (docs/capture.md, "CPU step cost").
         self._host = self._buffer.numpy() if self._device.type == "cpu" else None
+        self._row_shape, self._storage = spec.token_shape, spec.storage_dtype
         self._tp_group = tp_group
         self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -511,48 +517,56 @@ class RoutedExpertsCapturer:
             If ``num_tokens`` or ``slot_mapping`` has the wrong type, shape, dtype or
             device. Out-of-range expert ids are reported by ``result()``.
         """
-        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+        # The checks run on every step, so the CPU engine's case (an int and a numpy
+        # array) is tested first, by exact type.
+        if type(num_tokens) is not int and (isinstance(num_tokens, bool) or not isinstance(num_tokens, np.integer)):
             raise ValueError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
         if not 0 <= num_tokens <= self._max_num_tokens:
             raise ValueError(f"num_tokens must be in [0, {self._max_num_tokens}] (max_num_tokens), got {num_tokens}")
         n = int(num_tokens)
-        on_device = isinstance(slot_mapping, torch.Tensor) and slot_mapping.device.type != "cpu"
+        on_device = False
         if isinstance(slot_mapping, torch.Tensor):
+            on_device = slot_mapping.device.type != "cpu"
             if on_device and slot_mapping.device != self._device:
                 where = "cpu" if self._device.type == "cpu" else f"cpu or {self._device}"
                 raise ValueError(f"slot_mapping must be on {where}, got {slot_mapping.device}")
             dtype_ok = not slot_mapping.dtype.is_floating_point and not slot_mapping.dtype.is_complex
             dtype_ok = dtype_ok and slot_mapping.dtype != torch.bool
             shape, dtype = tuple(slot_mapping.shape), slot_mapping.dtype
+            host_slots = None if on_device else slot_mapping.numpy()
         else:
-            slot_mapping = np.asarray(slot_mapping)
-            dtype_ok = slot_mapping.dtype.kind in "iu"
-            shape, dtype = slot_mapping.shape, slot_mapping.dtype
+            host_slots = slot_mapping if type(slot_mapping) is np.ndarray else np.asarray(slot_mapping)
+            shape, dtype = host_slots.shape, host_slots.dtype
+            dtype_ok = dtype.kind in "iu"
         if shape != (n,) or not dtype_ok:
             raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
-        if not self.is_rank0:
+        if self._tp_rank != 0:
             return PendingSnapshot(self._spec, n)
-        host_slots = None
-        if not on_device:  # astype always copies: the caller may reuse its array next step
-            host_slots = (slot_mapping.numpy() if isinstance(slot_mapping, torch.Tensor) else slot_mapping).astype(np.int64)
-        if self._device.type == "cpu":
+        if self._host is not None:
             return self._snapshot_now(n, host_slots)
-        return self._snapshot_async(n, slot_mapping, host_slots)
+        # astype always copies: the caller may reuse its array next step
+        return self._snapshot_async(n, slot_mapping, None if on_device else host_slots.astype(np.int64))
 
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
-        # Bounded by two passes over n * num_layers * top_k int32s (argmax and a cast);
-        # for small steps by those two numpy calls, which run with cold caches after the
-        # forward. Read as uint32, a negative id (NOT_CAPTURED included) exceeds every
-        # num_experts, so the largest id checks both ends; argmax finds it in half the
-        # time of max() there (a direct loop, not the ufunc reduction machinery).
+        # Bounded by one pass over n * num_layers * top_k int32s; for the small steps
+        # of decoding, by the number of library calls, each slowed by the caches the
+        # forward just used (docs/capture.md, "CPU step cost"): with the C loops, two
+        # allocations and one call that checks and narrows the ids and copies the slots
+        # (the caller may reuse its array next step).
+        spec = self._spec
+        data = np.empty((n, *self._row_shape), self._storage)
+        owned = np.empty(n, np.int64)
         ids = self._host[:n]
-        flat = ids.view(np.uint32).reshape(-1)
-        num_experts = self._spec.num_experts
-        if n and flat[flat.argmax()] >= num_experts:
-            bad = int(np.count_nonzero((ids < 0) | (ids >= num_experts)))
-            return PendingSnapshot(self._spec, n, error=_range_error(self._spec, n, bad))
-        data = ids.astype(self._spec.storage_dtype)
-        return PendingSnapshot(self._spec, n, arrays=(data, slots))
+        bad = -1 if _native is None else _native.narrow_step(data, ids, owned, slots, spec.num_experts)
+        if bad < 0:  # no C loops, or slots not int64
+            # Read as uint32, a negative id (NOT_CAPTURED included) exceeds every
+            # num_experts, so the largest id checks both ends.
+            bad = int(np.count_nonzero(ids.view(np.uint32) >= spec.num_experts))
+            data[...] = ids
+            owned[...] = slots
+        if bad:
+            return PendingSnapshot(spec, n, error=_range_error(spec, n, bad))
+        return PendingSnapshot(spec, n, arrays=(data, owned))
 
     def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:
         # Host cost: a pinned block from torch's cache and a handful of launches; device
