@@ -437,18 +437,17 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
     return PyLong_FromLong(status);
 }
 
-/* A step's int32 ids narrowed to the storage dtype, counting those outside
- * [0, limit) in the same pass (narrow_step). */
-#define NARROW(NAME, TO)                                                            \
-    VECTOR_CLONES static Py_ssize_t NAME(TO *d, const uint32_t *s, Py_ssize_t n,    \
-                                         uint32_t limit)                            \
-    {                                                                               \
-        Py_ssize_t bad = 0;                                                         \
-        for (Py_ssize_t i = 0; i < n; i++) {                                        \
-            bad += s[i] >= limit;                                                   \
-            d[i] = (TO)s[i];                                                        \
-        }                                                                           \
-        return bad;                                                                 \
+/* A step's int32 ids narrowed to the storage dtype; returns the largest, read
+ * unsigned (as max_id), so that one pass both checks and writes them. */
+#define NARROW(NAME, TO)                                                                    \
+    VECTOR_CLONES static uint32_t NAME(TO *d, const uint32_t *s, Py_ssize_t n)              \
+    {                                                                                       \
+        uint32_t m = 0;                                                                     \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                \
+            m = s[i] > m ? s[i] : m;                                                        \
+            d[i] = (TO)s[i];                                                                \
+        }                                                                                   \
+        return m;                                                                           \
     }
 NARROW(narrow_to_u8, uint8_t)
 NARROW(narrow_to_u16, uint16_t)
@@ -487,9 +486,12 @@ static PyObject *narrow_step(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (id_size(ids->format) == -4 && out_size > 0 && out->len == n * out_size
             && id_size(slots->format) == -8 && id_size(slots_out->format) == -8
             && slots_out->len == slots->len && num_experts <= (1ULL << (8 * out_size))) {
-            const uint32_t limit = (uint32_t)num_experts;
-            result = out_size == 1 ? narrow_to_u8(out->buf, ids->buf, n, limit)
-                                   : narrow_to_u16(out->buf, ids->buf, n, limit);
+            const uint32_t *s = ids->buf, limit = (uint32_t)num_experts;
+            const uint32_t largest = out_size == 1 ? narrow_to_u8(out->buf, s, n) : narrow_to_u16(out->buf, s, n);
+            result = 0;
+            if (largest >= limit) /* count them for the error message */
+                for (Py_ssize_t i = 0; i < n; i++)
+                    result += s[i] >= limit;
             memcpy(slots_out->buf, slots->buf, (size_t)slots->len);
         }
     }
