@@ -356,7 +356,7 @@ class RoutedExpertsCapturer:
         # cheaper than torch ops doing the same, while for capture() torch's copy_
         # measured cheaper than a numpy assignment (docs/capture.md, "CPU step cost").
         self._host = self._buffer.numpy() if self._device.type == "cpu" else None
-        self._row_shape, self._storage = spec.token_shape, spec.storage_dtype
+        self._token_shape, self._storage = spec.token_shape, spec.storage_dtype
         self._tp_group = tp_group
         self._tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -554,7 +554,7 @@ class RoutedExpertsCapturer:
         # allocations and one call that checks and narrows the ids and copies the slots
         # (the caller may reuse its array next step).
         spec = self._spec
-        data = np.empty((n, *self._row_shape), self._storage)
+        data = np.empty((n, *self._token_shape), self._storage)
         owned = np.empty(n, np.int64)
         ids = self._host[:n]
         bad = -1 if _native is None else _native.narrow_step(data, ids, owned, slots, spec.num_experts)
@@ -574,7 +574,7 @@ class RoutedExpertsCapturer:
         # bytes (host-link bandwidth).
         stage = self._stages[self._next_stage]
         self._next_stage ^= 1
-        slots, bad, rows = _pinned_block(n, self._spec.token_shape, stage.narrow.dtype)
+        slots, bad, rows = _pinned_block(n, self._token_shape, stage.narrow.dtype)
         with torch.cuda.device(self._device):
             compute = torch.cuda.current_stream()
             if stage.last_read is not None:
