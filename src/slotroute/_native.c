@@ -43,12 +43,15 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
 #define STREAM_FROM (64 << 10)
 /* Scattered rows are prefetched for writing ROWS_AHEAD rows ahead. While a gather
  * copies one block, it prefetches into L2 the block as many places on as make up
- * GATHER_AHEAD bytes (at least the next), up to BLOCK_PREFETCH_BYTES of it, all
- * of that block's stamps and its invalidation stamp. Both sizes were chosen from variants timed in the same
- * rounds on two machines (docs/benchmarks.md, "What moved get"). */
+ * GATHER_AHEAD bytes (at least the next), the first BLOCK_PREFETCH_BYTES of it, all
+ * of that block's stamps and its invalidation stamp. The head of a block is enough
+ * to start the hardware prefetcher on the rest of it, and a small head leaves the
+ * core's few miss buffers to more blocks at once. Both sizes were chosen from
+ * variants timed in the same rounds on two machines (docs/benchmarks.md, "What
+ * moved get"). */
 #define ROWS_AHEAD 4
-#define GATHER_AHEAD (8 << 10)
-#define BLOCK_PREFETCH_BYTES (8 << 10)
+#define GATHER_AHEAD (12 << 10)
+#define BLOCK_PREFETCH_BYTES (1 << 10)
 /* The GIL is released around copies of at least this many bytes. */
 #define RELEASE_FROM (256 << 10)
 
