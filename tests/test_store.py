@@ -662,6 +662,48 @@ def test_store_after_invalidation_makes_only_rewritten_slots_readable():
         mgr.get([0], 4)
 
 
+def test_block_rewritten_to_its_last_slot_after_invalidation_is_readable_only_where_rewritten(step_path):
+    mgr = make(num_blocks=2, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 8), np.arange(8))  # both blocks whole
+    mgr.invalidate_blocks([1])
+    newer = routing(mgr.spec, 2, seed=3)
+    mgr.store_batch(newer, [6, 7])  # block 1's last slot again, not its first two
+    with pytest.raises(MissingRoutingError, match="no routing stored for 2 of tokens 0-3: tokens 0-1"):
+        mgr.get([1], 4)
+    np.testing.assert_array_equal(mgr.get([1], 4, 2), newer)
+    mgr.store_batch(newer, [4, 5])
+    np.testing.assert_array_equal(mgr.get([1, 0], 8), np.concatenate([newer, newer, routing(mgr.spec, 8)[:4]]))
+
+
+def test_block_whose_last_slot_is_written_before_the_others_is_read_by_its_stamps(step_path):
+    mgr = make(num_blocks=2, block_size=4)
+    data = routing(mgr.spec, 4)
+    mgr.store_batch(data[3:], [3])
+    mgr.store_batch(data[:1], [0])
+    with pytest.raises(MissingRoutingError, match="tokens 1-2"):
+        mgr.get([0], 4)
+    mgr.store_batch(data[1:3], [1, 2])
+    np.testing.assert_array_equal(mgr.get([0], 4), data)
+
+
+@pytest.mark.parametrize("earlier", [[0, 1, 2], [0, 2]], ids=["head written", "head partly written"])
+def test_run_completing_a_block_it_starts_inside_needs_the_head_written(earlier, step_path):
+    """A chunked prefill: the block's first slots come from an earlier step."""
+    mgr = make(num_blocks=3, block_size=4)
+    data = routing(mgr.spec, 12)
+    mgr.store_batch(data[earlier], earlier)
+    mgr.store_batch(data[3:10], np.arange(3, 10))  # completes block 0 and block 1
+    missing = sorted(set(range(3)) - set(earlier))
+    if missing:
+        with pytest.raises(MissingRoutingError, match=f"tokens {missing[0]}"):
+            mgr.get([0], 4)
+    else:
+        np.testing.assert_array_equal(mgr.get([0], 4), data[:4])
+    np.testing.assert_array_equal(mgr.get([1], 4), data[4:8])
+    with pytest.raises(MissingRoutingError, match="tokens 2-3"):  # the run ends inside block 2
+        mgr.get([2, 1], 8)
+
+
 @pytest.mark.parametrize("blocks", [[0, 8], [-1], np.array([9], dtype=np.uint64)], ids=["beyond", "negative", "uint64"])
 def test_get_rejects_block_id_out_of_range(blocks):
     mgr = make(num_blocks=8)

@@ -8,8 +8,9 @@
  * the copy skips reading the destination lines into cache.
  *
  * gather_blocks: copy a request's tokens out of its blocks, checking as it goes that
- * every slot was written since its block was last invalidated; the next blocks'
- * lines are prefetched while one is copied.
+ * every slot was written since its block was last invalidated (by one flag for a
+ * block store_rows saw completed, else by its slots' stamps); the next blocks'
+ * heads are prefetched while one is copied.
  *
  * Both check what depends on the values (slot and block ranges, expert ids, written
  * state) and return a status instead of raising: store.py builds the error message
@@ -167,11 +168,39 @@ static void prefetch_to_l2(const void *p, Py_ssize_t n)
         __builtin_prefetch(q, 0, 2);
 }
 
+/* The written state of a store (store.py, NOTES 1 and 4): a stamp per slot, the
+ * last stamp handed out before each block's invalidation, and a flag per block set
+ * once each of its slots has been written since. */
+typedef struct {
+    int64_t *stamps;
+    const int64_t *invalidated;
+    uint8_t *full;
+    Py_ssize_t block_size;
+} Written;
+
+/* Flag the blocks that a run of rows just stamped over slots first..last completes:
+ * each block it covers to the block's last slot, the first one only if its slots
+ * before the run are written already. A block completed in another order stays
+ * unflagged, and get checks its stamps instead. */
+static void flag_full_blocks(const Written *w, int64_t first, int64_t last)
+{
+    const int64_t size = w->block_size;
+    for (int64_t b = first / size; (b + 1) * size - 1 <= last; b++) {
+        int full = 1;
+        if (b == first / size)
+            for (int64_t slot = b * size; slot < first && full; slot++)
+                full = w->stamps[slot] > w->invalidated[b];
+        if (full)
+            w->full[b] = 1;
+    }
+}
+
 /* Write the rows of a checked step. */
-static void write_rows(char *buffer, int64_t *stamps, const char *data, const int64_t *slots,
+static void write_rows(char *buffer, const Written *w, const char *data, const int64_t *slots,
                        Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
                        long long first_stamp)
 {
+    int64_t *stamps = w->stamps;
     const Py_ssize_t in_row = items * in_size, out_row = items * out_size;
     convert_fn convert = in_size == out_size ? NULL : converter(in_size, out_size);
     int streamed = 0;
@@ -202,6 +231,7 @@ static void write_rows(char *buffer, int64_t *stamps, const char *data, const in
         }
         for (Py_ssize_t r = i; r < j; r++)
             stamps[slots[r]] = first_stamp + r;
+        flag_full_blocks(w, slots[i], slots[j - 1]);
         i = j;
     }
     if (streamed)
@@ -209,11 +239,10 @@ static void write_rows(char *buffer, int64_t *stamps, const char *data, const in
 }
 
 /* Check a step of n rows of `items` ids, then write it (store_rows). */
-static int store_checked(Py_buffer *buffer, Py_buffer *stamps, Py_buffer *data, const int64_t *s,
-                         Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
+static int store_checked(Py_buffer *buffer, const Written *w, Py_ssize_t num_slots, Py_buffer *data,
+                         const int64_t *s, Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
                          unsigned long long limit, long long first_stamp)
 {
-    const Py_ssize_t num_slots = stamps->len / 8;
     int status = OK, padded = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         padded |= s[i] < 0;
@@ -231,7 +260,7 @@ static int store_checked(Py_buffer *buffer, Py_buffer *stamps, Py_buffer *data, 
         }
     }
     if (status == OK)
-        write_rows(buffer->buf, stamps->buf, data->buf, s, n, items, in_size, out_size, first_stamp);
+        write_rows(buffer->buf, w, data->buf, s, n, items, in_size, out_size, first_stamp);
     if (save != NULL)
         PyEval_RestoreThread(save);
     return status;
@@ -266,37 +295,68 @@ static int layout_of(PyObject *obj, Py_buffer *view)
     return 0;
 }
 
+/* The store's arrays, as store_rows and gather_blocks take them: the slot buffer
+ * (with its format) and the written state. Returns 0 with all four views held, or
+ * -1 with none held and an error set. */
+static int get_store(PyObject *const *args, int writable, Py_buffer views[4])
+{
+    const int flags[4] = {PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0), writable ? PyBUF_WRITABLE : 0, 0,
+                          writable ? PyBUF_WRITABLE : 0};
+    for (int got = 0; got < 4; got++)
+        if (PyObject_GetBuffer(args[got], &views[got], flags[got] | PyBUF_C_CONTIGUOUS) < 0) {
+            while (got > 0)
+                PyBuffer_Release(&views[--got]);
+            return -1;
+        }
+    return 0;
+}
+
+static void release_store(Py_buffer views[4])
+{
+    for (int i = 0; i < 4; i++)
+        PyBuffer_Release(&views[i]);
+}
+
+/* The written state held in views[1..3]: stamps (int64 per slot), invalidated_at
+ * (int64 per block) and full (uint8 per block). */
+static Written written_of(Py_buffer views[4])
+{
+    const Py_ssize_t num_blocks = views[2].len / 8;
+    Written w = {views[1].buf, views[2].buf, views[3].buf, num_blocks ? views[1].len / 8 / num_blocks : 1};
+    return w;
+}
+
 PyDoc_STRVAR(store_rows_doc,
-"store_rows(buffer, stamps, data, slots, num_layers, top_k, num_experts, first_stamp) -> int\n\n"
+"store_rows(buffer, stamps, invalidated_at, full, data, slots, num_layers, top_k,\n"
+"           num_experts, first_stamp) -> int\n\n"
 "Row i of data, shape (N, num_layers, top_k), into slot slots[i] of buffer (the\n"
 "store's rows, uint8 or uint16 by its item size), stamped first_stamp + i; slots\n"
-"< 0 are skipped. Returns 5 (nothing done) unless data is C-contiguous uint8,\n"
+"< 0 are skipped. A block of len(stamps) // len(invalidated_at) slots whose last\n"
+"slot a row writes, and whose every slot is then stamped after invalidated_at[block],\n"
+"gets full[block] = 1. Returns 5 (nothing done) unless data is C-contiguous uint8,\n"
 "uint16, int32 or int64 of that shape and slots C-contiguous int64 of shape (N,);\n"
 "then checks before writing: 1 if a slot is >= len(stamps), 2 if an id of a row\n"
 "written is outside [0, num_experts); 0 once written.");
 
 static PyObject *store_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "store_rows takes 8 arguments");
+    if (nargs != 10) {
+        PyErr_SetString(PyExc_TypeError, "store_rows takes 10 arguments");
         return NULL;
     }
-    const Py_ssize_t layers = PyLong_AsSsize_t(args[4]), top_k = PyLong_AsSsize_t(args[5]);
-    const unsigned long long num_experts = PyLong_AsUnsignedLongLong(args[6]);
-    const long long first_stamp = PyLong_AsLongLong(args[7]);
+    const Py_ssize_t layers = PyLong_AsSsize_t(args[6]), top_k = PyLong_AsSsize_t(args[7]);
+    const unsigned long long num_experts = PyLong_AsUnsignedLongLong(args[8]);
+    const long long first_stamp = PyLong_AsLongLong(args[9]);
     if (PyErr_Occurred())
         return NULL;
-    Py_buffer buffer, stamps, data, slots;
-    if (PyObject_GetBuffer(args[0], &buffer, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+    Py_buffer store[4], data, slots;
+    if (get_store(args, 1, store) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &stamps, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&buffer);
-        return NULL;
-    }
+    const Written w = written_of(store);
     int status = LAYOUT;
-    if (layout_of(args[2], &data)) {
-        if (layout_of(args[3], &slots)) {
-            const int in = id_size(data.format), out = id_size(buffer.format);
+    if (layout_of(args[4], &data)) {
+        if (layout_of(args[5], &slots)) {
+            const int in = id_size(data.format), out = id_size(store[0].format);
             const Py_ssize_t n = data.ndim == 3 ? data.shape[0] : -1;
             if (in != 0 && out > 0 && data.ndim == 3 && data.shape[1] == layers && data.shape[2] == top_k
                 && id_size(slots.format) == -8 && slots.ndim == 1 && slots.shape[0] == n) {
@@ -304,15 +364,14 @@ static PyObject *store_rows(PyObject *self, PyObject *const *args, Py_ssize_t na
                 const int size = in < 0 ? -in : in;
                 const unsigned long long limit =
                     in < 0 || num_experts <= (1ULL << (8 * size)) - 1 ? num_experts : 0;
-                status = store_checked(&buffer, &stamps, &data, slots.buf, n, layers * top_k, size,
-                                       out, limit, first_stamp);
+                status = store_checked(&store[0], &w, store[1].len / 8, &data, slots.buf, n, layers * top_k,
+                                       size, out, limit, first_stamp);
             }
             PyBuffer_Release(&slots);
         }
         PyBuffer_Release(&data);
     }
-    PyBuffer_Release(&buffer);
-    PyBuffer_Release(&stamps);
+    release_store(store);
     return PyLong_FromLong(status);
 }
 
@@ -328,23 +387,33 @@ static inline int64_t block_at(const Blocks *b, Py_ssize_t i)
 }
 
 PyDoc_STRVAR(gather_blocks_doc,
-"gather_blocks(out, buffer, stamps, invalidated_at, blocks, block_size, start, stop,\n"
+"gather_blocks(buffer, stamps, invalidated_at, full, out, blocks, start, stop,\n"
 "              stream_from) -> int\n\n"
-"Tokens start..stop-1 of the blocks' concatenation into out, from a buffer of\n"
-"len(invalidated_at) blocks of block_size rows; an out of stream_from bytes or more\n"
-"is written with non-temporal stores. blocks is a list, or an int64 buffer.\n"
-"Returns 4 if a list item is not an int, 1 if a block id is out of range, 3 if a\n"
-"token's slot was not written since its block's invalidation (out then holds\n"
-"garbage), else 0.");
+"Tokens start..stop-1 of the blocks' concatenation into out, from the store's\n"
+"arrays as store_rows takes them (len(invalidated_at) blocks); an out of\n"
+"stream_from bytes or more is written with non-temporal stores. blocks is a list,\n"
+"or an int64 buffer. Returns 4 if a list item is not an int, 1 if a block id is\n"
+"out of range, 3 if a token's slot was not written since its block's invalidation\n"
+"(out then holds garbage), else 0.");
 
-static PyObject *gather_blocks(PyObject *self, PyObject *args)
+static PyObject *gather_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_buffer out, buffer, stamps_buf, invalidated_buf, ids = {0};
-    PyObject *block_obj;
-    Py_ssize_t block_size, start, stop, stream_from;
-    if (!PyArg_ParseTuple(args, "w*y*y*y*Onnnn", &out, &buffer, &stamps_buf, &invalidated_buf,
-                          &block_obj, &block_size, &start, &stop, &stream_from))
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "gather_blocks takes 9 arguments");
         return NULL;
+    }
+    const Py_ssize_t start = PyLong_AsSsize_t(args[6]), stop = PyLong_AsSsize_t(args[7]);
+    const Py_ssize_t stream_from = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_buffer store[4], out, ids = {0};
+    if (get_store(args, 0, store) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[4], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        release_store(store);
+        return NULL;
+    }
+    PyObject *block_obj = args[5];
     Blocks blocks = {NULL, NULL};
     Py_ssize_t count;
     int status = OK;
@@ -361,13 +430,11 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
         count = ids.len / 8;
     } else {
         PyBuffer_Release(&out);
-        PyBuffer_Release(&buffer);
-        PyBuffer_Release(&stamps_buf);
-        PyBuffer_Release(&invalidated_buf);
+        release_store(store);
         return NULL;
     }
-    const int64_t *stamps = stamps_buf.buf, *invalidated = invalidated_buf.buf;
-    const Py_ssize_t num_blocks = invalidated_buf.len / 8;
+    const Written w = written_of(store);
+    const Py_ssize_t block_size = w.block_size, num_blocks = store[2].len / 8;
     const Py_ssize_t row = stop > start ? out.len / (stop - start) : 0;
     const Py_ssize_t first = start / block_size, last = (stop + block_size - 1) / block_size;
     for (Py_ssize_t i = 0; i < count && status == OK; i++) {
@@ -392,7 +459,7 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
         }
     }
     if (status == OK && used != NULL) {
-        const char *src = buffer.buf;
+        const char *src = store[0].buf;
         char *dst = out.buf;
         const Py_ssize_t block_bytes = block_size * row;
         /* block_bytes is 0 for an empty range (no row to copy) */
@@ -406,15 +473,19 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
             if (i + ahead < last) {
                 const int64_t next = used[i + ahead - first];
                 prefetch_to_l2(src + next * block_bytes, prefetch_bytes);
-                prefetch_to_l2(stamps + next * block_size, block_size * (Py_ssize_t)sizeof(int64_t));
-                __builtin_prefetch(invalidated + next, 0, 2);
+                if (!w.full[next]) {
+                    prefetch_to_l2(w.stamps + next * block_size, block_size * (Py_ssize_t)sizeof(int64_t));
+                    __builtin_prefetch(w.invalidated + next, 0, 2);
+                }
             }
             const Py_ssize_t lo = i == first ? start - first * block_size : 0;
             const Py_ssize_t hi = i == last - 1 ? stop - i * block_size : block_size;
-            const int64_t *stamp = stamps + b * block_size, since = invalidated[b];
-            for (Py_ssize_t t = lo; t < hi; t++)
-                if (stamp[t] <= since)
-                    status = MISSING;
+            if (!w.full[b]) {
+                const int64_t *stamp = w.stamps + b * block_size, since = w.invalidated[b];
+                for (Py_ssize_t t = lo; t < hi; t++)
+                    if (stamp[t] <= since)
+                        status = MISSING;
+            }
             const char *from = src + b * block_bytes + lo * row;
             const size_t n = (size_t)((hi - lo) * row);
             if (stream)
@@ -432,9 +503,7 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args)
     if (ids.obj != NULL)
         PyBuffer_Release(&ids);
     PyBuffer_Release(&out);
-    PyBuffer_Release(&buffer);
-    PyBuffer_Release(&stamps_buf);
-    PyBuffer_Release(&invalidated_buf);
+    release_store(store);
     if (status < 0)
         return NULL;
     return PyLong_FromLong(status);
@@ -506,7 +575,7 @@ static PyObject *narrow_step(PyObject *self, PyObject *const *args, Py_ssize_t n
 static PyMethodDef methods[] = {
     {"store_rows", (PyCFunction)(void (*)(void))store_rows, METH_FASTCALL, store_rows_doc},
     {"narrow_step", (PyCFunction)(void (*)(void))narrow_step, METH_FASTCALL, narrow_step_doc},
-    {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
+    {"gather_blocks", (PyCFunction)(void (*)(void))gather_blocks, METH_FASTCALL, gather_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 
