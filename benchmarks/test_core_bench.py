@@ -5,6 +5,8 @@ each case runs once as a smoke test."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 
 from slotroute import bench
@@ -79,3 +81,22 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
     assert "|   store_batch 8192 tok, uint8 in, cache-hot" in out
     assert "demand paging" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the probe reads with AVX2")
+def test_read_ceiling_probe_builds_and_reports_each_block_size(tmp_path):
+    """benchmarks/read_ceiling.c: the scattered-read ceiling docs/benchmarks.md cites."""
+    import pathlib
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    assert cc is not None, "a C compiler is needed to build slotroute's extension anyway"
+    exe = tmp_path / "read_ceiling"
+    source = pathlib.Path(__file__).with_name("read_ceiling.c")
+    subprocess.run([cc, "-O2", "-mavx2", "-o", str(exe), str(source)], check=True)
+    out = subprocess.run([str(exe), "16", "2304", "6144"], check=True, capture_output=True, text=True).stdout
+    rows = [line.split("|")[1:-1] for line in out.splitlines()[2:]]
+    assert [int(r[0]) for r in rows] == [2304, 6144]
+    for row in rows:
+        assert all(float(cell) > 0 for cell in row[1:4]) and row[4].strip().endswith("x")
