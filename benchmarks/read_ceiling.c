@@ -8,8 +8,9 @@
  * POOL_MIB defaults to 64 (use twice the last-level cache where that is larger, as
  * `slotroute bench` does); BLOCK_BYTES default to the bench presets' blocks of 16
  * tokens (gpt-oss-120b, qwen3-30b-a3b, deepseek-v3, kimi-k2). Each case is the best
- * of 30 passes over requests of 2048 blocks covering the whole pool; "ahead" also
- * prefetches the first KiB of the block 8 places on, as get does.
+ * of 30 passes over requests of 2048 blocks covering the whole pool; the "head
+ * prefetched" column also prefetches the first KiB of the block 8 places on, as get
+ * prefetches the heads of the blocks ahead.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>

@@ -5,7 +5,10 @@ each case runs once as a smoke test."""
 
 from __future__ import annotations
 
+import pathlib
 import platform
+import shutil
+import subprocess
 
 import pytest
 
@@ -86,10 +89,6 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the probe reads with AVX2")
 def test_read_ceiling_probe_builds_and_reports_each_block_size(tmp_path):
     """benchmarks/read_ceiling.c: the scattered-read ceiling docs/benchmarks.md cites."""
-    import pathlib
-    import shutil
-    import subprocess
-
     cc = shutil.which("cc") or shutil.which("gcc")
     assert cc is not None, "a C compiler is needed to build slotroute's extension anyway"
     exe = tmp_path / "read_ceiling"
