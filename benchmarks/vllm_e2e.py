@@ -181,6 +181,7 @@ def instrument(config: str, breakdown: bool = True) -> Timed:
         # vLLM's int32 host copy is inline in GPUModelRunner (no function to wrap).
         timed.wrap(RoutedExpertsCapturer, "capture", "worker capture")
     elif config == "slotroute":
+        import slotroute.vllm.runner_v1 as runner_v1
         import slotroute.vllm.worker as worker
         from slotroute.vllm.scheduler import SchedulerRouting
 
@@ -192,7 +193,7 @@ def instrument(config: str, breakdown: bool = True) -> Timed:
         timed.wrap(worker.WorkerRouting, "capture", "worker capture")
         for name in ("begin_step", "snapshot"):
             timed.wrap(worker.WorkerRouting, name, "worker snapshot")
-        timed.wrap(worker, "as_vllm_lists", "worker snapshot")
+        timed.wrap(runner_v1, "as_vllm_lists", "worker snapshot")
     return timed
 
 

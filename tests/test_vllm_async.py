@@ -238,7 +238,7 @@ def test_worker_runs_the_next_forward_before_the_previous_output_is_collected(as
     read: the async output path must carry its own copy of step s's routing."""
     from vllm.v1.worker.gpu_model_runner import AsyncGPUModelRunnerOutput
 
-    from slotroute.vllm.worker import AsyncOutputWithRouting
+    from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
 
     runner = runner_of(async_llm)
     log = StepLog()

@@ -53,12 +53,12 @@ def test_supported_versions_have_no_refusal(version):
 
 def test_version_031_is_refused_naming_the_aux_output_connector():
     reason = unsupported_reason("0.31.0")
-    assert "0.31" in reason and "aux-output connector" in reason and "0.29.x and 0.30.x" in reason
+    assert "0.31" in reason and "aux-output connector" in reason and "0.29.x, 0.30.x" in reason
 
 
 @pytest.mark.parametrize("version", ["0.28.2", "1.0.0", "main"])
 def test_other_versions_are_refused(version):
-    assert "0.29.x and 0.30.x" in unsupported_reason(version)
+    assert "supports" in unsupported_reason(version) and "0.30.x" in unsupported_reason(version)
 
 
 def test_unsupported_vllm_is_left_unpatched_with_one_log_line():

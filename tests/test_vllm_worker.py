@@ -38,7 +38,7 @@ def resolved_async_output():
 
 
 def test_async_output_resolves_with_the_steps_routing_in_the_storage_dtype():
-    from slotroute.vllm.worker import AsyncOutputWithRouting
+    from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
 
     pending = pending_step([[1, 2], [3, 4], [5, 6]], [7, 8, 9])
     output = AsyncOutputWithRouting(resolved_async_output(), pending).get_output()
@@ -50,14 +50,14 @@ def test_async_output_resolves_with_the_steps_routing_in_the_storage_dtype():
 
 
 def test_async_output_keeps_the_wrapped_outputs_attributes():
-    from slotroute.vllm.worker import AsyncOutputWithRouting
+    from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
 
     wrapped = AsyncOutputWithRouting(resolved_async_output(), pending_step([[0, 1]], [0]))
     assert wrapped.sampled_token_ids_cpu == "vLLM's own attribute"
 
 
 def test_async_output_of_a_step_with_an_uncaptured_layer_raises_on_resolve():
-    from slotroute.vllm.worker import AsyncOutputWithRouting
+    from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
 
     capturer = RoutedExpertsCapturer(SPEC, max_num_tokens=4, device="cpu")
     capturer.capture(0, torch.tensor([[1, 2]], dtype=torch.int32))  # layer 1 never captures

@@ -1,15 +1,22 @@
 """slotroute as a vLLM plugin: exact, narrow, slot-indexed ``routed_experts``.
 
 vLLM loads :func:`register` in every process it starts (API server, engine core,
-workers) through the entry-point group ``vllm.general_plugins``. It patches vLLM
-0.29.x and 0.30.x only; ``docs/vllm.md`` describes each patch and why.
+workers) through the entry-point group ``vllm.general_plugins``. :func:`register`
+picks the adapters of the installed vLLM generation once (:data:`ADAPTERS`), verifies
+every patch they hold against the installed source, and installs them all or none.
+``docs/vllm.md`` describes each patch and why.
+
+A patch that does not verify leaves vLLM serving as installed: one warning names what
+did not verify, and only an engine configured with ``enable_return_routed_experts``
+refuses to start, saying that slotroute is not in effect and that
+``SLOTROUTE_DISABLE=1`` runs vLLM's own routed-experts path instead.
 
 Environment:
 
 ``SLOTROUTE_DISABLE=1``
     Patch nothing; vLLM runs as installed.
 ``SLOTROUTE_VLLM_MODE``
-    ``slotroute`` (default): scheduler store, worker capture and CPU kernel capture.
+    ``slotroute`` (default): every adapter of the installed generation.
     ``cpu-capture-only``: only the CPU kernel capture, so that vLLM's own capturer and
     manager run on the CPU backend (the baseline of the benchmarks).
 
@@ -22,7 +29,7 @@ import logging
 import os
 import re
 
-__all__ = ["DISABLE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register", "unsupported_reason"]
+__all__ = ["ADAPTERS", "DISABLE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -31,7 +38,16 @@ logger = logging.getLogger(LOGGER_NAME)
 DISABLE_ENV = "SLOTROUTE_DISABLE"
 MODE_ENV = "SLOTROUTE_VLLM_MODE"
 MODES = ("slotroute", "cpu-capture-only")
-SUPPORTED = ((0, 29), (0, 30))
+
+# The adapters of each vLLM generation slotroute serves, by (major, minor): names of
+# the patch sets in ``_PATCH_SETS``. Every generation here has the slot-indexed
+# routed-experts path (a scheduler-side RoutedExpertsManager).
+ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
+    (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
+    (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2"),
+}
+SUPPORTED = tuple(sorted(ADAPTERS))
+_SUPPORTED_TEXT = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
 
 # What the first register() call in this process did; later calls repeat nothing.
 _outcome: str | None = None
@@ -41,16 +57,41 @@ def unsupported_reason(version: str) -> str | None:
     """Why slotroute cannot patch this vLLM version, or ``None`` if it can."""
     match = re.match(r"(\d+)\.(\d+)", version)
     if match is None:
-        return f"slotroute: vLLM version {version!r} is not a release; slotroute patches 0.29.x and 0.30.x only"
+        return f"slotroute: vLLM version {version!r} is not a release; slotroute supports {_SUPPORTED_TEXT}"
     major_minor = (int(match[1]), int(match[2]))
-    if major_minor in SUPPORTED:
+    if major_minor in ADAPTERS:
         return None
     if major_minor > SUPPORTED[-1]:
         return (
             f"slotroute: vLLM {version} is not patched (0.31+ replaced the slot-indexed "
-            "routed-experts path with its aux-output connector); slotroute supports 0.29.x and 0.30.x"
+            f"routed-experts path with its aux-output connector); slotroute supports {_SUPPORTED_TEXT}"
         )
-    return f"slotroute: vLLM {version} is not patched; slotroute supports 0.29.x and 0.30.x"
+    return f"slotroute: vLLM {version} is not patched; slotroute supports {_SUPPORTED_TEXT}"
+
+
+def _patch_set(name: str) -> list:
+    """The patches of one adapter, built (and their modules imported) on demand."""
+    if name == "cpu":
+        from slotroute.vllm.cpu import cpu_patches
+
+        return cpu_patches()
+    if name == "scheduler":
+        from slotroute.vllm.scheduler import scheduler_patches
+
+        return scheduler_patches()
+    if name == "runner_v1":
+        from slotroute.vllm.runner_v1 import v1_runner_patches
+
+        return v1_runner_patches()
+    if name == "runner_v2":
+        from slotroute.vllm.runner_v2 import v2_runner_patches
+
+        return v2_runner_patches()
+    if name == "requests":
+        from slotroute.vllm.requests import request_patches
+
+        return request_patches()
+    raise KeyError(name)
 
 
 def _disabled() -> bool:
@@ -61,20 +102,20 @@ def register() -> str:
     """Install slotroute's patches into the running vLLM (vLLM's plugin entry point).
 
     Idempotent: only the first call in a process acts; later calls return its outcome.
+    Never raises for the installed vLLM's sake: vLLM serves either way.
 
     Returns
     -------
     str
-        ``"disabled"``, ``"unsupported"`` (one warning logged saying why), or the mode
-        applied: ``"slotroute"`` or ``"cpu-capture-only"``.
+        ``"disabled"``, ``"unsupported"`` (one warning logged saying why),
+        ``"not-verified"`` (a patch did not verify: one warning, nothing patched, and
+        an engine that asks for routed experts refuses to start), or the mode applied:
+        ``"slotroute"`` or ``"cpu-capture-only"``.
 
     Raises
     ------
     ValueError
         If ``SLOTROUTE_VLLM_MODE`` names no mode.
-    slotroute.vllm.patches.PatchError
-        If a supported vLLM's internals do not look as the patches expect; nothing is
-        patched then.
     """
     global _outcome
     if _outcome is not None:
@@ -94,16 +135,42 @@ def register() -> str:
         _outcome = "unsupported"
         return _outcome
 
-    from slotroute.vllm.cpu import cpu_patches
-    from slotroute.vllm.patches import apply
+    from slotroute.vllm.patches import PatchError, apply
 
-    patches = cpu_patches()
-    if mode == "slotroute":
-        from slotroute.vllm.scheduler import scheduler_patches
-        from slotroute.vllm.worker import worker_patches
-
-        patches += scheduler_patches() + worker_patches()
-    apply(patches)
-    logger.info("slotroute: patched vLLM %s (%s mode, %d patches)", vllm.__version__, mode, len(patches))
+    major_minor = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", vllm.__version__).groups())
+    names = ADAPTERS[major_minor] if mode == "slotroute" else ("cpu",)
+    try:
+        patches = [patch for name in names for patch in _patch_set(name)]
+        apply(patches)
+    except (PatchError, ImportError) as error:
+        _refuse_routed_experts(f"slotroute is not in effect on vLLM {vllm.__version__}: {error}")
+        _outcome = "not-verified"
+        return _outcome
+    logger.info(
+        "slotroute: patched vLLM %s (%s mode: %s; %d patches)", vllm.__version__, mode, ", ".join(names), len(patches)
+    )
     _outcome = mode
     return _outcome
+
+
+def _refuse_routed_experts(reason: str) -> None:
+    """Log ``reason`` once and make an engine configured with
+    ``enable_return_routed_experts`` refuse to start with it (wraps
+    ``vllm/config/vllm.py`` ``VllmConfig.__post_init__``, which every engine start
+    runs after the plugins are loaded); any other engine starts as installed."""
+    logger.warning("%s; vLLM runs as installed, and refuses enable_return_routed_experts", reason)
+    from vllm.config import VllmConfig
+
+    original = VllmConfig.__post_init__
+
+    def __post_init__(self, *args, **kwargs):
+        model_config = getattr(self, "model_config", None)
+        if getattr(model_config, "enable_return_routed_experts", False):
+            raise RuntimeError(
+                f"{reason}. This engine asked for routed experts, which slotroute cannot provide "
+                f"here; set {DISABLE_ENV}=1 to serve vLLM's own routed-experts path instead, or "
+                "install the vLLM version slotroute supports"
+            )
+        return original(self, *args, **kwargs)
+
+    VllmConfig.__post_init__ = __post_init__

@@ -36,20 +36,22 @@ class Patch:
         Where the target lives, e.g. ``"vllm.v1.core.block_pool"`` and
         ``"BlockPool.get_new_blocks"``.
     params
-        The target's parameter names, in order (``self`` included); ``None`` skips the
-        check (module-level names that are not callables).
+        The target's parameter names, in order (``self`` included); a last entry
+        ``"..."`` checks only the names before it (a replacement that passes the rest
+        through); ``None`` skips the check (module-level names that are not callables).
     needs
         Source fragments the target (or, for a module-level name, its module) must
         contain: the lines slotroute's replacement relies on.
     make
-        Builds the replacement from the original.
+        Builds the replacement from the original; ``None`` for a target slotroute
+        relies on but does not replace (only verified).
     """
 
     module: str
     qualname: str
     params: tuple[str, ...] | None
     needs: tuple[str, ...]
-    make: Callable[[Any], Any]
+    make: Callable[[Any], Any] | None
 
     @property
     def where(self) -> str:
@@ -82,6 +84,8 @@ class Patch:
         target = original(getattr(owner, name))
         if self.params is not None:
             found = tuple(inspect.signature(target).parameters)
+            if self.params[-1:] == ("...",):
+                found = found[: len(self.params) - 1] + ("...",)
             if found != self.params:
                 raise PatchError(f"{self.where} has parameters {found}, expected {self.params}")
         if self.needs:
@@ -92,6 +96,8 @@ class Patch:
         return target
 
     def install(self, target: Any) -> None:
+        if self.make is None:
+            return
         owner, name = self._owner_and_name()
         if is_installed(getattr(owner, name)):
             return  # idempotent: vLLM may load plugins more than once per process

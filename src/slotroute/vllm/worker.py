@@ -1,13 +1,14 @@
-"""Worker side: slotroute's capturer in vLLM's model runner.
+"""Worker side, shared by every model runner: slotroute's capturer bound to vLLM's
+MoE routers.
 
-vLLM 0.29-0.30 capture ``topk_ids`` into an int32 buffer and ship it as int32
-(``vllm/v1/worker/gpu_model_runner.py``: ``init_routed_experts_capturer``, the sync
-D2H in ``_bookkeeping_sync``, the async snapshot in ``AsyncGPUModelRunnerOutput``).
-slotroute binds its own :class:`~slotroute.capture.RoutedExpertsCapturer` to the
-same router hooks, leaves vLLM's ``routed_experts_initialized`` off so none of vLLM's
-int32 copies run, and sets ``ModelRunnerOutput.routed_experts`` itself from a
-range-checked snapshot in the storage dtype, on both scheduling paths. The CPU model
-runner (``vllm/v1/worker/cpu_model_runner.py``) inherits all of this.
+vLLM 0.29-0.30 capture ``topk_ids`` into an int32 buffer and ship it as int32.
+:class:`WorkerRouting` binds slotroute's own
+:class:`~slotroute.capture.RoutedExpertsCapturer` to the same router hooks
+(``bind_routed_experts_capturer``) and ships each step as a range-checked snapshot in
+the storage dtype. Where a step starts and where its output is handed over differ per
+model runner: ``runner_v1.py`` (``vllm/v1/worker/gpu_model_runner.py``, which the CPU
+model runner inherits) and ``runner_v2.py`` (``vllm/v1/worker/gpu/model_runner.py``)
+are the two adapters.
 """
 
 from __future__ import annotations
@@ -22,20 +23,16 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
     bind_routed_experts_capturer,
     get_routed_experts_attn_gid,
 )
-from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
 from slotroute.capture import NOT_CAPTURED, BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
-from slotroute.vllm.patches import Patch
 from slotroute.vllm.scheduler import routing_spec
 
-__all__ = ["WorkerRouting", "worker_patches"]
+__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
-RUNNER = "vllm.v1.worker.gpu_model_runner"
-_ATTR = "_slotroute_routing"
 
 
 def moe_layer_ids(model: torch.nn.Module) -> set[int]:
@@ -67,7 +64,8 @@ class WorkerRouting:
     Parameters
     ----------
     runner
-        vLLM's ``GPUModelRunner`` (or ``CPUModelRunner``) after its KV cache exists.
+        A vLLM model runner (V1 ``GPUModelRunner`` or ``CPUModelRunner``, V2
+        ``GPUModelRunner``) after its KV cache exists.
 
     Raises
     ------
@@ -84,9 +82,10 @@ class WorkerRouting:
         self.capturer = RoutedExpertsCapturer(
             spec, config.scheduler_config.max_num_batched_tokens, runner.device, tp_group=group
         )
-        gid = get_routed_experts_attn_gid(runner.kv_cache_config)
+        # The full-attention KV cache group: its slots key the scheduler's store.
+        self.attn_gid = get_routed_experts_attn_gid(runner.kv_cache_config)
         # Every layer of the group shares the group's slot mapping; any one names it.
-        self.attn_layer = runner.kv_cache_config.kv_cache_groups[gid].layer_names[0]
+        self.attn_layer = runner.kv_cache_config.kv_cache_groups[self.attn_gid].layer_names[0]
         self._single_rank = BatchLayout(tp_size=self.tp_size)
         self._dp_key: object = None
         self._dp_layout = self._single_rank
@@ -149,11 +148,8 @@ class WorkerRouting:
             rows.index_fill_(1, self._dense, 0)
 
     def snapshot(self, state) -> PendingSnapshot | None:
-        """Start shipping the routing of the step ``state`` (vLLM's
-        ``ExecuteModelState``) ran; ``None`` for a step without tokens.
-
-        On CPU, a step in which some MoE layer wrote fewer than the step's rows
-        yields a snapshot whose ``result()`` raises ``ValueError`` naming the layers.
+        """Start shipping the routing of the step the V1 runner's ``state``
+        (``ExecuteModelState``) ran; ``None`` for a step without tokens.
 
         Raises
         ------
@@ -169,14 +165,28 @@ class WorkerRouting:
                 "slotroute needs one slot mapping per step (a dict by layer name), got "
                 f"{type(state.slot_mappings).__name__}: micro-batching is not supported"
             )
-        slots = state.slot_mappings[self.attn_layer]
+        return self.snapshot_step(n, state.slot_mappings[self.attn_layer])
+
+    def snapshot_step(self, num_tokens: int, slots: torch.Tensor) -> PendingSnapshot:
+        """Start shipping rows ``[0, num_tokens)`` of this step with their KV slots
+        (``slots``, at least ``num_tokens`` long, on the host or the capture device).
+
+        On CPU, a step in which some MoE layer wrote fewer than the step's rows
+        yields a snapshot whose ``result()`` raises ``ValueError`` naming the layers;
+        on a CUDA device the snapshot's range check finds the rows left unwritten.
+
+        Raises
+        ------
+        ValueError
+            As ``RoutedExpertsCapturer.snapshot``: a malformed slot mapping.
+        """
         if self._rows_captured is None:
-            return self.capturer.snapshot(n, slots[:n])
-        error = incomplete_capture(self._moe_layers, self._rows_captured, n)
+            return self.capturer.snapshot(num_tokens, slots[:num_tokens])
+        error = incomplete_capture(self._moe_layers, self._rows_captured, num_tokens)
         if error is not None:
-            return PendingSnapshot(self.capturer.spec, n, error=error)
+            return PendingSnapshot(self.capturer.spec, num_tokens, error=error)
         # A numpy slice of the CPU slot mapping, not a torch slice: cheaper in a step.
-        return self.capturer.snapshot(n, slots.numpy()[:n])
+        return self.capturer.snapshot(num_tokens, slots.numpy()[:num_tokens])
 
 
 def incomplete_capture(moe_layers: frozenset[int], rows_captured: dict[int, int], num_tokens: int) -> ValueError | None:
@@ -211,81 +221,3 @@ def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
     return VllmRoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
 
 
-class AsyncOutputWithRouting(AsyncModelRunnerOutput):
-    """vLLM's async step output plus this step's pending routing; ``get_output``
-    waits for both. Any other attribute is the wrapped output's."""
-
-    def __init__(self, inner: AsyncModelRunnerOutput, pending: PendingSnapshot) -> None:
-        self._inner = inner
-        self._pending = pending
-
-    def get_output(self) -> ModelRunnerOutput:
-        output = self._inner.get_output()
-        output.routed_experts = as_vllm_lists(self._pending)
-        return output
-
-    def __getattr__(self, name: str):
-        return getattr(self._inner, name)
-
-
-# -- patches ------------------------------------------------------------------------
-
-
-def _make_init_capturer(original):
-    """Replaces ``vllm/v1/worker/gpu_model_runner.py``
-    ``GPUModelRunner.init_routed_experts_capturer``: binds slotroute's capturer and
-    leaves ``routed_experts_initialized`` False, so vLLM's int32 copies never run."""
-
-    def init_routed_experts_capturer(self):
-        self.__dict__[_ATTR] = WorkerRouting(self)
-
-    return init_routed_experts_capturer
-
-
-def _make_execute_model(original):
-    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.execute_model``:
-    prepares the step's capture before the forward (``WorkerRouting.begin_step``)."""
-
-    def execute_model(self, scheduler_output, intermediate_tensors=None):
-        routing = self.__dict__.get(_ATTR)
-        if routing is not None:
-            routing.begin_step(scheduler_output.total_num_scheduled_tokens)
-        return original(self, scheduler_output, intermediate_tensors)
-
-    return execute_model
-
-
-def _make_sample_tokens(original):
-    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
-    attaches the step's narrow routing to the sync output, or wraps the async one."""
-
-    def sample_tokens(self, grammar_output):
-        state = self.execute_model_state
-        output = original(self, grammar_output)
-        routing = self.__dict__.get(_ATTR)
-        if routing is None or state is None:
-            return output
-        pending = routing.snapshot(state)
-        if pending is None:
-            return output
-        if isinstance(output, AsyncModelRunnerOutput):
-            return AsyncOutputWithRouting(output, pending)
-        if isinstance(output, ModelRunnerOutput):
-            output.routed_experts = as_vllm_lists(pending)
-        return output
-
-    return sample_tokens
-
-
-def worker_patches() -> list[Patch]:
-    """The worker-side patches, each verified against the installed vLLM."""
-    return [
-        Patch(RUNNER, "GPUModelRunner.init_routed_experts_capturer", ("self",),
-              ("bind_routed_experts_capturer(self.model", "self.routed_experts_initialized = True"),
-              _make_init_capturer),
-        Patch(RUNNER, "GPUModelRunner.execute_model", ("self", "scheduler_output", "intermediate_tensors"),
-              ("self.execute_model_state = ExecuteModelState(",), _make_execute_model),
-        Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
-              ("self.execute_model_state = None", "if self.routed_experts_initialized:"),
-              _make_sample_tokens),
-    ]

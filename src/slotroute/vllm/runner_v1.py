@@ -1,0 +1,104 @@
+"""The V1 model runner's adapter: ``vllm/v1/worker/gpu_model_runner.py``
+``GPUModelRunner`` (vLLM 0.26-0.30; the CPU model runner inherits it).
+
+vLLM's own path sets ``routed_experts_initialized`` and then copies the int32 buffer
+to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``
+(async scheduling). slotroute's ``init_routed_experts_capturer`` binds a
+:class:`~slotroute.vllm.worker.WorkerRouting` instead and leaves that flag off, so
+none of vLLM's int32 copies run; ``execute_model`` resets the step's rows before the
+forward and ``sample_tokens`` sets ``ModelRunnerOutput.routed_experts`` from the
+checked narrow snapshot, on both scheduling paths.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+
+from slotroute.capture import PendingSnapshot
+from slotroute.vllm.patches import Patch
+from slotroute.vllm.worker import WorkerRouting, as_vllm_lists
+
+__all__ = ["AsyncOutputWithRouting", "v1_runner_patches"]
+
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+_ATTR = "_slotroute_routing"
+
+
+class AsyncOutputWithRouting(AsyncModelRunnerOutput):
+    """vLLM's async step output plus this step's pending routing; ``get_output``
+    waits for both. Any other attribute is the wrapped output's."""
+
+    def __init__(self, inner: AsyncModelRunnerOutput, pending: PendingSnapshot) -> None:
+        self._inner = inner
+        self._pending = pending
+
+    def get_output(self) -> ModelRunnerOutput:
+        output = self._inner.get_output()
+        output.routed_experts = as_vllm_lists(self._pending)
+        return output
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_init_capturer(original):
+    """Replaces ``vllm/v1/worker/gpu_model_runner.py``
+    ``GPUModelRunner.init_routed_experts_capturer``: binds slotroute's capturer and
+    leaves ``routed_experts_initialized`` False, so vLLM's int32 copies never run."""
+
+    def init_routed_experts_capturer(self):
+        self.__dict__[_ATTR] = WorkerRouting(self)
+
+    return init_routed_experts_capturer
+
+
+def _make_execute_model(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.execute_model``:
+    prepares the step's capture before the forward (``WorkerRouting.begin_step``)."""
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        routing = self.__dict__.get(_ATTR)
+        if routing is not None:
+            routing.begin_step(scheduler_output.total_num_scheduled_tokens)
+        return original(self, scheduler_output, intermediate_tensors)
+
+    return execute_model
+
+
+def _make_sample_tokens(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
+    attaches the step's narrow routing to the sync output, or wraps the async one."""
+
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        output = original(self, grammar_output)
+        routing = self.__dict__.get(_ATTR)
+        if routing is None or state is None:
+            return output
+        pending = routing.snapshot(state)
+        if pending is None:
+            return output
+        if isinstance(output, AsyncModelRunnerOutput):
+            return AsyncOutputWithRouting(output, pending)
+        if isinstance(output, ModelRunnerOutput):
+            output.routed_experts = as_vllm_lists(pending)
+        return output
+
+    return sample_tokens
+
+
+def v1_runner_patches() -> list[Patch]:
+    """The V1 runner's patches, each verified against the installed vLLM."""
+    return [
+        Patch(RUNNER, "GPUModelRunner.init_routed_experts_capturer", ("self",),
+              ("bind_routed_experts_capturer(self.model", "self.routed_experts_initialized = True"),
+              _make_init_capturer),
+        Patch(RUNNER, "GPUModelRunner.execute_model", ("self", "scheduler_output", "intermediate_tensors"),
+              ("self.execute_model_state = ExecuteModelState(",), _make_execute_model),
+        Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+              ("self.execute_model_state = None", "if self.routed_experts_initialized:"),
+              _make_sample_tokens),
+    ]

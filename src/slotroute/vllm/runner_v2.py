@@ -1,0 +1,130 @@
+"""The V2 model runner's adapter: ``vllm/v1/worker/gpu/model_runner.py``
+``GPUModelRunner`` (vLLM 0.29-0.30; the default on CUDA whenever Triton is present).
+
+V2 keeps whatever ``init_routed_experts_capturer`` builds in
+``self.routed_experts_capturer`` and uses it in two places only:
+``execute_model`` calls ``capturer.get_routed_experts(slot_mappings, num_toks)``
+after the forward of every real step and stores the result in
+``ExecuteModelState.routed_experts``; ``AsyncOutput`` (``vllm/v1/worker/gpu/
+async_utils.py``) calls ``to_cpu_nonblocking()`` on it on the output copy stream
+and ``tolists()`` in ``get_output``, whose result becomes
+``ModelRunnerOutput.routed_experts``. V2 has no synchronous output path: without
+async scheduling the worker calls ``get_output`` at once.
+
+slotroute puts :class:`StepCapture` in that place. ``get_routed_experts`` starts
+slotroute's checked narrow snapshot (on the forward's stream, then its own copy
+stream), ``to_cpu_nonblocking`` has nothing left to do, and ``tolists`` waits for the
+copy and returns vLLM's ``RoutedExpertsLists`` in the storage dtype, or raises
+naming what the check found. ``execute_model`` resets the step's rows before the
+forward, so under CUDA graphs (FULL or PIECEWISE) a MoE layer that wrote nothing
+fails the check instead of shipping an older step's ids.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
+
+from slotroute.capture import PendingSnapshot
+from slotroute.vllm.patches import Patch
+from slotroute.vllm.worker import WorkerRouting, as_vllm_lists
+
+__all__ = ["StepCapture", "StepRouting", "v2_runner_patches"]
+
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
+
+
+class StepRouting:
+    """One step's routing on its way to the scheduler, in the place of vLLM's
+    ``RoutedExpertsTensors``: the two methods V2 calls on it, over a
+    :class:`~slotroute.capture.PendingSnapshot` that owns its pinned host memory."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: PendingSnapshot) -> None:
+        self.pending = pending
+
+    def to_cpu_nonblocking(self) -> StepRouting:
+        """The snapshot's copy is already enqueued on slotroute's copy stream: self."""
+        return self
+
+    def tolists(self) -> VllmRoutedExpertsLists | None:
+        """Wait for the copy; the step's narrow rows and slots, ``None`` on TP ranks
+        other than 0.
+
+        Raises
+        ------
+        ValueError
+            An expert id outside ``[0, num_experts)``, or a MoE layer that wrote
+            nothing for some token of the step.
+        """
+        return as_vllm_lists(self.pending)
+
+
+class StepCapture:
+    """What the V2 runner holds as ``routed_experts_capturer``: a
+    :class:`~slotroute.vllm.worker.WorkerRouting` bound to the model's routers.
+
+    Invariant: ``get_routed_experts`` of a step sees rows that the step's forward
+    wrote, or ``NOT_CAPTURED`` (``begin_step`` reset them before the forward).
+    """
+
+    def __init__(self, runner) -> None:
+        self.routing = WorkerRouting(runner)
+
+    def begin_step(self, num_tokens: int) -> None:
+        self.routing.begin_step(num_tokens)
+
+    def get_routed_experts(self, slot_mappings, num_tokens: int) -> StepRouting:
+        """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is
+        V2's ``(num_kv_cache_groups, max_num_tokens)`` device tensor, of which the
+        full-attention group's row keys the store. Bounded by a few kernel launches."""
+        slots = slot_mappings[self.routing.attn_gid]
+        return StepRouting(self.routing.snapshot_step(num_tokens, slots))
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_init_capturer(original):
+    """Replaces ``vllm/v1/worker/gpu/model_runner.py``
+    ``GPUModelRunner.init_routed_experts_capturer``: slotroute's capture in the place
+    of vLLM's ``RoutedExpertsCapturer``."""
+
+    def init_routed_experts_capturer(self) -> None:
+        self.routed_experts_capturer = StepCapture(self)
+
+    return init_routed_experts_capturer
+
+
+def _make_execute_model(original):
+    """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.execute_model``:
+    resets the step's rows before a real step's forward (dummy runs ship nothing)."""
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
+        capture = self.routed_experts_capturer
+        if not dummy_run and isinstance(capture, StepCapture):
+            capture.begin_step(scheduler_output.total_num_scheduled_tokens)
+        return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
+
+    return execute_model
+
+
+def v2_runner_patches() -> list[Patch]:
+    """The V2 runner's patches and the V2 code they rely on, each verified against
+    the installed vLLM."""
+    return [
+        Patch(RUNNER, "GPUModelRunner.init_routed_experts_capturer", ("self",),
+              ("self.routed_experts_capturer = RoutedExpertsCapturer(",
+               "bind_routed_experts_capturer(self.model"),
+              _make_init_capturer),
+        Patch(RUNNER, "GPUModelRunner.execute_model",
+              ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "..."),
+              ("capturer.get_routed_experts(slot_mappings, num_toks)", "routed_experts=routed_experts"),
+              _make_execute_model),
+        # Relied on, not replaced: where V2 hands the step's routing to its output.
+        Patch(ASYNC_UTILS, "AsyncOutput.__init__", None,
+              ("routed_experts.to_cpu_nonblocking()",), None),
+        Patch(ASYNC_UTILS, "AsyncOutput.get_output", ("self",),
+              ("self.model_runner_output.routed_experts = self.routed_experts_cpu.tolists()",), None),
+    ]
