@@ -23,7 +23,8 @@ from conftest import (
 
 pytestmark = pytest.mark.vllm
 
-VLLM_0_29 = vllm.__version__.startswith("0.29.")
+# vLLM before 0.30 asserts prompt_start < prompt length in the scheduler; 0.30 admits equality.
+PROMPT_START_BELOW_LENGTH = tuple(int(part) for part in vllm.__version__.split(".")[:2]) < (0, 30)
 TOKEN_BUDGET = 128  # max_num_batched_tokens of the engines under test: prefills chunk
 
 
@@ -164,12 +165,24 @@ def test_prompt_start_skips_exactly_that_many_prompt_tokens(llm, reference):
         np.testing.assert_array_equal(got.routed, want.routed[start:])
 
 
-@pytest.mark.skipif(VLLM_0_29, reason="vLLM 0.29's scheduler asserts prompt_start < prompt length "
-                    "(its input check admits equality); fixed in 0.30")
+@pytest.mark.skipif(PROMPT_START_BELOW_LENGTH, reason="vLLM before 0.30 serves prompt_start < prompt "
+                    "length only (slotroute rejects equality at input there)")
 def test_prompt_start_at_the_prompt_length_returns_only_generated_rows(llm, reference):
     prompt = prompt_tokens(31, 64)
     (got,) = generate(llm, [prompt], greedy(5, routed_experts_prompt_start=64))
     np.testing.assert_array_equal(got.routed, reference(prompt, 5).routed[64:])
+
+
+@pytest.mark.parametrize("start", [-1, 65, 640] + ([64] if PROMPT_START_BELOW_LENGTH else []))
+def test_prompt_start_outside_the_prompt_is_rejected_at_input_and_the_engine_serves_on(llm, reference, start):
+    """vLLM 0.28-0.29's scheduler asserts ``prompt_start < prompt length`` and would
+    stop the engine core; slotroute rejects such a request before it reaches the engine."""
+    prompt = prompt_tokens(32, 64)
+    with pytest.raises(Exception, match="routed_experts_prompt_start") as raised:
+        generate(llm, [prompt], greedy(3, routed_experts_prompt_start=start))
+    assert type(raised.value).__name__ in ("VLLMValidationError", "ValueError")
+    (got,) = generate(llm, [prompt], greedy(3))
+    assert_same_completion(got, reference(prompt, 3))
 
 
 def test_next_turn_reads_the_routing_its_cached_blocks_got_while_decoding(llm, reference):
@@ -303,3 +316,22 @@ def test_reallocated_blocks_never_serve_stale_routing(tight_llm, reference):
     for got, prompts in zip(runs, (first, other, first + other[:1])):
         for g, prompt in zip(got, prompts):
             assert_same_completion(g, reference(prompt, 16))
+
+
+# -- against transformers' own implementation ------------------------------------------
+
+
+def test_routing_equals_the_top_k_of_transformers_routers_through_a_prefix_cache_hit(llm, tiny_model):
+    """The same tokens through Hugging Face transformers' Qwen3-MoE in float32: its
+    routers pick the experts vLLM returned, for every prompt and generated token,
+    also when most of the prompt came from the prefix cache."""
+    from hf_oracle import disagreements, router_topk
+
+    shared = prompt_tokens(150, 160)
+    prompt = shared + prompt_tokens(151, 30)
+    generate(llm, [shared + prompt_tokens(152, 20)], greedy(2))  # caches the shared blocks
+    (got,) = generate(llm, [prompt], greedy(12))
+    assert got.num_cached_tokens >= 128
+    oracle = router_topk(tiny_model, prompt + list(got.tokens[:-1]))
+    bad = disagreements(got.routed, oracle)
+    assert bad.size == 0, f"(token, layer) pairs that differ from transformers: {bad[:5].tolist()} of {len(bad)}"

@@ -46,7 +46,7 @@ def probe(*version: str, **env: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("version", ["0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu"])
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu"])
 def test_supported_versions_have_no_refusal(version):
     assert unsupported_reason(version) is None
 
@@ -56,7 +56,7 @@ def test_version_031_is_refused_naming_the_aux_output_connector():
     assert "0.31" in reason and "aux-output connector" in reason and "0.29.x, 0.30.x" in reason
 
 
-@pytest.mark.parametrize("version", ["0.28.2", "1.0.0", "main"])
+@pytest.mark.parametrize("version", ["0.27.1", "1.0.0", "main"])
 def test_other_versions_are_refused(version):
     assert "supports" in unsupported_reason(version) and "0.30.x" in unsupported_reason(version)
 
@@ -174,3 +174,85 @@ def test_kv_connector_with_routed_experts_is_still_refused_by_vllm(tiny_model):
     )
     with pytest.raises(ValueError, match="incompatible with KV connectors"):
         args.create_engine_config()
+
+
+# -- a patch that does not verify never stops vLLM ------------------------------------
+
+# Replaces one hook point slotroute verifies (BlockPool.get_new_blocks, with another
+# parameter name) before vLLM loads the plugin, then starts the engine argv[2] asks for.
+UNVERIFIED_RUN = """
+import json, logging, sys
+import vllm  # configures vLLM's loggers first
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        if record.levelno >= logging.WARNING:
+            lines.append(record.getMessage())
+logging.getLogger("vllm.slotroute").addHandler(Count())
+from vllm.v1.core.block_pool import BlockPool
+inner = BlockPool.get_new_blocks
+def get_new_blocks(self, count):
+    return inner(self, count)
+BlockPool.get_new_blocks = get_new_blocks
+from vllm import LLM, SamplingParams
+routing = sys.argv[2] == "routing"
+try:
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              distributed_executor_backend="uni", enable_return_routed_experts=routing, block_size=32,
+              max_model_len=512, num_gpu_blocks_override=64, kv_cache_memory_bytes=64 << 20, seed=0)
+    (out,) = llm.generate([{"prompt_token_ids": list(range(3, 60))}],
+                          SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    started, error = len(out.outputs[0].token_ids), None
+except Exception as exc:
+    started, error = None, f"{type(exc).__name__}: {exc}"
+import slotroute.vllm as plugin
+from slotroute.vllm.patches import is_installed
+from vllm.v1.core.sched.scheduler import Scheduler
+print(json.dumps({"outcome": plugin.register(), "tokens": started, "error": error, "lines": lines,
+                  "scheduler_patched": is_installed(Scheduler.update_from_output)}))
+"""
+
+
+def unverified_run(tiny_model, routing: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-c", UNVERIFIED_RUN, tiny_model, routing], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_patch_that_does_not_verify_leaves_vllm_serving_with_one_warning(tiny_model):
+    found = unverified_run(tiny_model, "plain")
+    assert found["outcome"] == "not-verified"
+    assert found["error"] is None and found["tokens"] == 4
+    assert not found["scheduler_patched"], "a set that failed to verify was partly installed"
+    assert len(found["lines"]) == 1
+    assert "BlockPool.get_new_blocks" in found["lines"][0] and "('self', 'count')" in found["lines"][0]
+
+
+def test_engine_asking_for_routed_experts_refuses_to_start_when_slotroute_is_not_in_effect(tiny_model):
+    found = unverified_run(tiny_model, "routing")
+    assert found["outcome"] == "not-verified" and found["tokens"] is None
+    assert "slotroute is not in effect" in found["error"]
+    assert "BlockPool.get_new_blocks" in found["error"] and "SLOTROUTE_DISABLE=1" in found["error"]
+
+
+def test_register_installs_the_v2_runner_adapter_where_vllm_has_it():
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    import slotroute.vllm as plugin
+    from slotroute.vllm.patches import is_installed
+
+    assert plugin.register() == "slotroute"
+    assert is_installed(GPUModelRunner.init_routed_experts_capturer)
+    assert is_installed(GPUModelRunner.execute_model)
+
+
+def test_prefix_parameter_check_accepts_any_trailing_parameters():
+    from slotroute.vllm.patches import Patch, PatchError
+
+    ok = Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "..."), (), None)
+    ok.verify()
+    bad = Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "count", "..."), (), None)
+    with pytest.raises(PatchError, match="expected"):
+        bad.verify()

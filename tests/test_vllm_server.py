@@ -133,3 +133,16 @@ def test_server_api_and_engine_core_processes_both_load_the_plugin(server):
     text = log_path.read_text()
     assert text.count("slotroute: patched vLLM") >= 2, "expected one line per process"
     assert "slotroute: scheduler keeps routing in RoutedExpertsManager" in text
+
+
+def test_server_answers_400_to_a_prompt_start_beyond_the_prompt_and_serves_on(server, reference):
+    """0.29's scheduler would assert on it and stop the engine core; every version
+    slotroute serves rejects it at input."""
+    import openai
+
+    client, _ = server
+    prompt = prompt_tokens(102, 40)
+    with pytest.raises(openai.BadRequestError, match="routed_experts_prompt_start"):
+        complete(client, prompt, 3, routed_experts_prompt_start=41)
+    choice, routed = complete(client, prompt, 3)
+    np.testing.assert_array_equal(routed, reference(prompt, 3).routed)

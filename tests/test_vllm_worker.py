@@ -102,3 +102,38 @@ def test_ledger_ignores_a_short_write_to_a_layer_outside_the_moe_layers():
     from slotroute.vllm.worker import incomplete_capture
 
     assert incomplete_capture(MOE_LAYERS, {0: 16, 1: 3, 2: 16, 3: 16}, 16) is None
+
+
+# -- the V2 runner's interface: what AsyncOutput calls on routed_experts ----------------
+
+
+def test_v2_step_routing_hands_vllm_its_lists_in_the_storage_dtype():
+    from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
+
+    from slotroute.vllm.runner_v2 import StepRouting
+
+    step = StepRouting(pending_step([[1, 2], [3, 4], [5, 6]], [40, 41, 7]))
+    assert step.to_cpu_nonblocking() is step  # the copy is already enqueued
+    lists = step.tolists()
+    assert isinstance(lists, VllmRoutedExpertsLists)
+    assert lists.routing_data.dtype == np.uint8
+    np.testing.assert_array_equal(lists.routing_data[:, 1], [[2, 3], [4, 5], [6, 7]])
+    np.testing.assert_array_equal(lists.slot_mapping, [40, 41, 7])
+
+
+def test_v2_step_routing_with_an_out_of_range_id_raises_instead_of_shipping():
+    from slotroute.vllm.runner_v2 import StepRouting
+
+    step = StepRouting(pending_step([[1, 2], [3, 7]], [0, 1]))  # layer 1 gets id 8 of 8 experts
+    with pytest.raises(ValueError, match="num_experts"):
+        step.tolists()
+
+
+def test_v2_step_routing_with_a_layer_that_wrote_nothing_raises():
+    from slotroute.capture import PendingSnapshot
+    from slotroute.vllm.runner_v2 import StepRouting
+    from slotroute.vllm.worker import incomplete_capture
+
+    error = incomplete_capture(frozenset({0, 2, 3}), {0: 5, 3: 5}, 5)
+    with pytest.raises(ValueError, match=r"MoE layer\(s\) \[2\]"):
+        StepRouting(PendingSnapshot(SPEC, 5, error=error)).tolists()

@@ -43,6 +43,7 @@ MODES = ("slotroute", "cpu-capture-only")
 # the patch sets in ``_PATCH_SETS``. Every generation here has the slot-indexed
 # routed-experts path (a scheduler-side RoutedExpertsManager).
 ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
+    (0, 28): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
     (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
     (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2"),
 }

@@ -1,6 +1,6 @@
 """CPU backend: let vLLM's CPU MoE kernel report the experts it selects.
 
-In vLLM 0.29 ``CPUUnquantizedExperts`` (``vllm/model_executor/layers/fused_moe/
+In vLLM 0.28-0.29 ``CPUUnquantizedExperts`` (``vllm/model_executor/layers/fused_moe/
 experts/cpu_moe.py``, parent of ``X86CPUUnquantizedExperts`` and its siblings) is a
 monolithic kernel that routes inside ``apply`` through its own ``_select_experts``,
 and ``bind_routed_experts_capturer`` refuses it. These patches make it take part in
@@ -59,7 +59,7 @@ def _make_select_experts(original):
 
 
 def cpu_kernel_is_monolithic() -> bool:
-    """Whether the installed vLLM's ``CPUUnquantizedExperts`` is monolithic (0.29)."""
+    """Whether the installed vLLM's ``CPUUnquantizedExperts`` is monolithic (0.28-0.29)."""
     module = importlib.import_module(CPU_MOE)
     return bool(module.CPUUnquantizedExperts.is_monolithic())
 

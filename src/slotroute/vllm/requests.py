@@ -1,7 +1,7 @@
 """Requests: reject a ``routed_experts_prompt_start`` the scheduler cannot serve, at
 input, before it reaches the engine core.
 
-vLLM 0.29's ``Scheduler.update_from_output`` asserts
+vLLM 0.28-0.29's ``Scheduler.update_from_output`` asserts
 ``prompt_start < request.num_prompt_tokens`` when a request's prefill completes
 (``vllm/v1/core/sched/scheduler.py``), and no code path checks the value before: a
 request with ``routed_experts_prompt_start >= len(prompt)`` stops the engine core and
@@ -54,7 +54,7 @@ def _make_process_inputs(original):
 
 
 def request_patches() -> list[Patch]:
-    """The patch that checks ``routed_experts_prompt_start`` (vLLM 0.29)."""
+    """The patch that checks ``routed_experts_prompt_start`` (vLLM 0.28-0.29)."""
     return [
         Patch(INPUT_PROCESSOR, "InputProcessor.process_inputs", ("self", "request_id", "prompt", "params", "..."),
               ("return EngineCoreRequest(",), _make_process_inputs),

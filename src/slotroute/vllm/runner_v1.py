@@ -1,5 +1,5 @@
 """The V1 model runner's adapter: ``vllm/v1/worker/gpu_model_runner.py``
-``GPUModelRunner`` (vLLM 0.26-0.30; the CPU model runner inherits it).
+``GPUModelRunner`` (vLLM 0.28-0.30; the CPU model runner inherits it).
 
 vLLM's own path sets ``routed_experts_initialized`` and then copies the int32 buffer
 to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``

@@ -1,5 +1,6 @@
 """The V2 model runner's adapter: ``vllm/v1/worker/gpu/model_runner.py``
-``GPUModelRunner`` (vLLM 0.29-0.30; the default on CUDA whenever Triton is present).
+``GPUModelRunner`` (vLLM 0.28-0.30; on CUDA the default of 0.29-0.30 whenever Triton is
+present, of 0.28 for some architectures).
 
 V2 keeps whatever ``init_routed_experts_capturer`` builds in
 ``self.routed_experts_capturer`` and uses it in two places only:

@@ -1,6 +1,6 @@
 """Scheduler side: vLLM's scheduler keeps routing in slotroute's store.
 
-vLLM 0.29-0.30 already call a routed-experts manager from the scheduler
+vLLM 0.28-0.30 already call a routed-experts manager from the scheduler
 (``vllm/v1/core/sched/scheduler.py``): ``store_batch`` once per step in
 ``update_from_output``, then ``get`` of the whole prompt when a request's prefill
 completes. slotroute puts :class:`SchedulerRouting` in that place and adds what vLLM
@@ -39,7 +39,7 @@ _WATCHER_ATTR = "_slotroute_on_new_blocks"
 def routing_spec(vllm_config) -> RoutingSpec:
     """The spec vLLM's own capturer uses (``_get_routed_experts_shape`` in
     ``routed_experts_capturer.py``): ``num_layers`` counts every decoder layer, as
-    vLLM 0.29-0.30 number them (dense layers included).
+    vLLM 0.28-0.30 number them (dense layers included).
 
     Raises
     ------

@@ -1,7 +1,7 @@
 """Worker side, shared by every model runner: slotroute's capturer bound to vLLM's
 MoE routers.
 
-vLLM 0.29-0.30 capture ``topk_ids`` into an int32 buffer and ship it as int32.
+vLLM 0.28-0.30 capture ``topk_ids`` into an int32 buffer and ship it as int32.
 :class:`WorkerRouting` binds slotroute's own
 :class:`~slotroute.capture.RoutedExpertsCapturer` to the same router hooks
 (``bind_routed_experts_capturer``) and ships each step as a range-checked snapshot in
