@@ -335,3 +335,10 @@ def test_routing_equals_the_top_k_of_transformers_routers_through_a_prefix_cache
     oracle = router_topk(tiny_model, prompt + list(got.tokens[:-1]))
     bad = disagreements(got.routed, oracle)
     assert bad.size == 0, f"(token, layer) pairs that differ from transformers: {bad[:5].tolist()} of {len(bad)}"
+
+
+def test_compiled_cpu_model_with_routed_experts_refuses_to_start_naming_enforce_eager(tiny_model):
+    """vLLM's compiled CPU model never calls the routers' capture hooks (vLLM's own path
+    then returns zeros): slotroute refuses at start instead of failing every step."""
+    with pytest.raises(Exception, match="enforce_eager=True"):
+        make_llm(tiny_model, enforce_eager=False, max_model_len=512, num_gpu_blocks_override=64)

@@ -54,12 +54,12 @@ class WorkerRouting:
     the step raises instead of shipping an older step's ids; the rows of dense layers
     hold 0.
 
-    NOTE 1: on a CUDA device, where a graph replays ``capture`` without running Python,
-    each step first resets the step's rows (MoE layers to the capturer's
+    NOTE 1: on a CUDA device, where a graph replays ``capture`` without running
+    Python, each step first resets the step's rows (MoE layers to the capturer's
     ``NOT_CAPTURED``, dense layers to 0) and the snapshot's range check finds any row
-    left unwritten. On CPU every ``capture`` runs in Python (vLLM's ``moe_forward`` is
-    an opaque custom op, run eagerly even under ``torch.compile``), so a ledger of the
-    rows each layer wrote in this step stands in for the reset: no torch op per step.
+    left unwritten. On CPU (eager only, NOTE 2) every ``capture`` runs in Python, so a
+    ledger of the rows each layer wrote in this step stands in for the reset: no torch
+    op per step.
 
     Parameters
     ----------
@@ -70,12 +70,21 @@ class WorkerRouting:
     Raises
     ------
     ValueError
-        From vLLM's binder if the model has no MoE router it can hook.
+        From vLLM's binder if the model has no MoE router it can hook, or if a CPU
+        model is compiled (NOTE 2).
     """
 
     def __init__(self, runner) -> None:
         config = runner.vllm_config
         spec = routing_spec(config)
+        eager = config.model_config.enforce_eager or int(config.compilation_config.mode) == 0
+        if runner.device.type == "cpu" and not eager:
+            # NOTE 2: vLLM's compiled CPU model never calls the routers' capture hooks
+            # (vLLM's own path then returns zeros); only an eager one does.
+            raise ValueError(
+                "slotroute captures routed experts on vLLM's CPU backend only with enforce_eager=True "
+                "(--enforce-eager): the compiled CPU model does not call the routers' capture hooks"
+            )
         self.tp_size = config.parallel_config.tensor_parallel_size
         self.dp_rank = config.parallel_config.data_parallel_rank
         group = get_tp_group().device_group if self.tp_size > 1 else None
