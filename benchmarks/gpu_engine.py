@@ -20,8 +20,8 @@ spent in the routing calls of the worker and the scheduler. The model runner is
 vLLM's default (V2 on 0.29/0.30); ``--runner v1`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
 
 usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--layers 48] [--json OUT]
-(``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1`` is a smoke
-run that fits a CPU build of vLLM.)
+(``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager`` is a
+smoke run that fits a CPU build of vLLM.)
 """
 
 from __future__ import annotations
@@ -139,6 +139,7 @@ def child(args) -> None:
         max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=8192,
         enable_return_routed_experts=args.child != "off",
         kv_cache_memory_bytes=None if args.kv_cache_gb is None else int(args.kv_cache_gb * (1 << 30)),
+        enforce_eager=args.eager,
     )
     start_s = time.perf_counter() - started
     timer.wrap(llm.llm_engine.engine_core.engine_core.scheduler, "update_from_output", "steps")
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--gen-len", type=int, default=256, help="rollout tokens (multi-turn: half per turn)")
     parser.add_argument("--kv-cache-gb", type=float, help="KV cache size (needed on CPU)")
+    parser.add_argument("--eager", action="store_true", help="no compilation or CUDA graphs (needed on CPU)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -228,6 +230,8 @@ def main() -> None:
                    str(args.requests), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
         if args.kv_cache_gb is not None:
             command += ["--kv-cache-gb", str(args.kv_cache_gb)]
+        if args.eager:
+            command.append("--eager")
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
         lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
         if result.returncode != 0 or not lines:

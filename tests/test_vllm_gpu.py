@@ -6,7 +6,17 @@ in docs/vllm.md, "GPU runs").
 vLLM caches its environment once an engine has started, so one pytest process tests
 one runner: run this module twice, once per value of ``VLLM_USE_V2_MODEL_RUNNER``.
 Every engine here is compared with a run of the same runner without prefix caching,
-one request at a time, and with transformers' own routers over the same tokens.
+one request at a time (in a child process: the V1 runner's workspace and graph
+capture do not allow a second engine in one process), and with transformers' own
+routers over the same tokens.
+
+Numerics: vLLM's fused-MoE Triton kernels multiply float32 on TF32 tensor cores, and
+cuBLAS picks kernels by batch shape, so a batched run and a lone run (or vLLM and
+transformers) may break a near-tie between two experts differently. A row may
+therefore differ from the comparison run only where transformers' router puts the
+k-th and (k+1)-th expert within ``NEAR_TIE`` of each other, at most in
+``MAX_TIE_SHARE`` of the (token, layer) pairs; anything else (a shifted, stale, missing
+or foreign row) differs at pairs far from any tie and fails.
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import MOE_LAYERS, TINY, assert_same_completion, completion, generate, greedy, prompt_tokens, scheduler_of
+from conftest import MOE_LAYERS, TINY, Completion, completion, generate, greedy, prompt_tokens, scheduler_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,6 +38,42 @@ RUNNER = "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() in ("0",
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96  # 1536 token slots: the preemption scenario overflows it
 TOKEN_BUDGET = 256  # prefills longer than this are chunked
+NEAR_TIE = 2e-3  # router probability gap under which TF32 noise may flip a choice
+MAX_TIE_SHARE = 0.01
+
+# The scenarios' requests, fixed here so the reference child can run them all first.
+SHARED = prompt_tokens(10, 400)
+PREFIX_PROMPTS = [
+    SHARED + prompt_tokens(11, 40),
+    SHARED + prompt_tokens(12, 75),
+    SHARED[:160] + prompt_tokens(13, 30),
+    SHARED + prompt_tokens(11, 40),
+]
+PREEMPT_PROMPTS = [prompt_tokens(70 + i, 100 + 10 * i) for i in range(8)]
+ABORT_PROMPTS = {name: prompt_tokens(40 + i, 300 + 60 * i) for i, name in enumerate("abc")}
+REFERENCE_JOBS = (
+    [(p, 8) for p in PREFIX_PROMPTS] + [(p, 150) for p in PREEMPT_PROMPTS] + [(ABORT_PROMPTS[n], 10) for n in "ac"]
+)
+
+# The reference engine, alone in its process: argv = model, jobs (json), output (npz).
+REFERENCE_CHILD = """
+import json, os, sys
+import numpy as np
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+jobs = json.load(open(sys.argv[2]))
+llm = LLM(model=sys.argv[1], dtype="float32", skip_tokenizer_init=True, distributed_executor_backend="uni",
+          enable_return_routed_experts=True, block_size=%d, seed=0, gpu_memory_utilization=0.25,
+          max_model_len=2048, max_num_batched_tokens=2048, enable_prefix_caching=False, max_num_seqs=1)
+out = {}
+for i, (prompt, n) in enumerate(jobs):
+    (o,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=n, temperature=0.0,
+                        ignore_eos=True), use_tqdm=False)
+    out[f"tokens{i}"] = np.array(o.outputs[0].token_ids)
+    out[f"routed{i}"] = o.outputs[0].routed_experts
+np.savez(sys.argv[3], **out)
+print("REFERENCE DONE", len(jobs))
+""" % BLOCK_SIZE
 
 
 def gpu_llm(model: str, **overrides):
@@ -49,23 +95,52 @@ def runner_of(llm):
 
 
 @pytest.fixture(scope="module")
-def gpu_reference(tiny_model):
-    """No prefix caching, one request at a time, room for everything."""
-    llm = gpu_llm(tiny_model, enable_prefix_caching=False, max_num_seqs=1, max_num_batched_tokens=2048)
-    memo = {}
+def gpu_reference(tiny_model, tmp_path_factory):
+    """Each scenario request run alone on the same runner without prefix caching."""
+    import json
+    import subprocess
+    import sys
 
-    def run(prompt, max_tokens):
-        key = (tuple(prompt), max_tokens)
-        if key not in memo:
-            (memo[key],) = generate(llm, [prompt], greedy(max_tokens))
-        return memo[key]
-
-    yield run
-    del llm
+    work = tmp_path_factory.mktemp("gpu-reference")
+    (work / "jobs.json").write_text(json.dumps(REFERENCE_JOBS))
+    result = subprocess.run(
+        [sys.executable, "-c", REFERENCE_CHILD, tiny_model, str(work / "jobs.json"), str(work / "ref.npz")],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = np.load(work / "ref.npz")
+    memo = {
+        (tuple(prompt), n): Completion(tuple(prompt), tuple(found[f"tokens{i}"].tolist()), found[f"routed{i}"], "length", 0)
+        for i, (prompt, n) in enumerate(REFERENCE_JOBS)
+    }
+    return lambda prompt, n: memo[(tuple(prompt), n)]
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model, gpu_reference):
+def oracle(tiny_model):
+    """transformers' routing of a completion's tokens (prompt, then generated)."""
+    from hf_oracle import router_topk
+
+    return lambda got: router_topk(tiny_model, list(got.prompt) + list(got.tokens[:-1]), device="cuda")
+
+
+def assert_same_routing(got: Completion, want: Completion, oracle) -> None:
+    """Same tokens, shape and dtype, and the same experts row for row except at
+    near-ties (module docstring)."""
+    assert got.tokens == want.tokens, "generated tokens differ from the reference run"
+    assert got.routed is not None, f"no routed_experts (finish_reason={got.finish_reason})"
+    assert got.routed.dtype == want.routed.dtype and got.routed.shape == want.routed.shape
+    differ = np.argwhere((np.sort(got.routed, axis=2) != np.sort(want.routed, axis=2)).any(axis=2))
+    if differ.size:
+        margin = oracle(got).margin
+        far = [(t, layer, float(margin[t, layer])) for t, layer in differ.tolist() if margin[t, layer] >= NEAR_TIE]
+        assert not far, f"rows differ away from any near-tie at (token, layer, margin) {far[:5]} of {len(far)}"
+        assert len(differ) <= MAX_TIE_SHARE * got.routed.shape[0] * len(MOE_LAYERS), f"{len(differ)} near-ties"
+        print(f"RESULT {len(differ)} near-tie (token, layer) pairs differ from the reference")
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
     engine = gpu_llm(tiny_model, enable_prefix_caching=True, num_gpu_blocks_override=NUM_BLOCKS, max_model_len=1024)
     yield engine
     del engine
@@ -116,22 +191,15 @@ def test_worker_ships_narrow_rows_that_the_scheduler_stores(llm):
           f"(int32 would be {4 * sum(n for _, _, n, _ in seen)})")
 
 
-def test_prefix_cache_hits_and_chunked_prefill_match_the_reference(llm, gpu_reference):
-    shared = prompt_tokens(10, 400)
-    prompts = [
-        shared + prompt_tokens(11, 40),
-        shared + prompt_tokens(12, 75),
-        shared[:160] + prompt_tokens(13, 30),
-        shared + prompt_tokens(11, 40),
-    ]
-    generate(llm, [prompts[0]], greedy(8))  # warm the cache
-    got = generate(llm, prompts, greedy(8))
+def test_prefix_cache_hits_and_chunked_prefill_match_the_reference(llm, gpu_reference, oracle):
+    generate(llm, [PREFIX_PROMPTS[0]], greedy(8))  # warm the cache
+    got = generate(llm, PREFIX_PROMPTS, greedy(8))
     assert all(g.num_cached_tokens >= 160 for g in got), [g.num_cached_tokens for g in got]
-    for g, prompt in zip(got, prompts):
-        assert_same_completion(g, gpu_reference(prompt, 8))
+    for g, prompt in zip(got, PREFIX_PROMPTS):
+        assert_same_routing(g, gpu_reference(prompt, 8), oracle)
 
 
-def test_forced_preemption_returns_the_routing_of_an_unpreempted_run(llm, gpu_reference):
+def test_forced_preemption_returns_the_routing_of_an_unpreempted_run(llm, gpu_reference, oracle):
     scheduler = scheduler_of(llm)
     llm.reset_prefix_cache()
     preempted = []
@@ -143,18 +211,17 @@ def test_forced_preemption_returns_the_routing_of_an_unpreempted_run(llm, gpu_re
 
     scheduler._preempt_request = spy
     try:
-        prompts = [prompt_tokens(70 + i, 100 + 10 * i) for i in range(8)]
-        got = generate(llm, prompts, greedy(150))
+        got = generate(llm, PREEMPT_PROMPTS, greedy(150))
     finally:
         del scheduler._preempt_request
     assert preempted, f"a pool of {NUM_BLOCKS} blocks did not force a preemption"
-    for g, prompt in zip(got, prompts):
-        assert_same_completion(g, gpu_reference(prompt, 150))
+    for g, prompt in zip(got, PREEMPT_PROMPTS):
+        assert_same_routing(g, gpu_reference(prompt, 150), oracle)
 
 
-def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_reference):
+def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_reference, oracle):
     engine, scheduler = llm.llm_engine, scheduler_of(llm)
-    prompts = {name: prompt_tokens(40 + i, 300 + 60 * i) for i, name in enumerate("abc")}
+    prompts = ABORT_PROMPTS
     for name, prompt in prompts.items():
         engine.add_request(name, {"prompt_token_ids": prompt}, greedy(10))
     for _ in range(3):
@@ -165,23 +232,23 @@ def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_r
         finished.update({o.request_id: completion(o) for o in engine.step() if o.finished})
     assert {"a", "c"} <= set(finished)
     for name in "ac":
-        assert_same_completion(finished[name], gpu_reference(prompts[name], 10))
+        assert_same_routing(finished[name], gpu_reference(prompts[name], 10), oracle)
     assert not scheduler.requests and not scheduler._re_block_ids
 
 
-def test_routing_equals_the_top_k_of_transformers_routers(llm, tiny_model):
+def test_routing_equals_the_top_k_of_transformers_routers(llm, oracle):
     """transformers' Qwen3-MoE in float32 on the same GPU, over the prompt and the
-    generated tokens: its routers pick the experts vLLM returned. A pair whose k-th
-    and (k+1)-th router probabilities are within 1e-5 is a near-tie that kernels may
-    break either way; any other difference fails."""
-    from hf_oracle import disagreements, router_topk
+    generated tokens: its routers pick the experts vLLM returned, except at near-ties."""
+    from hf_oracle import disagreements
 
     prompt = prompt_tokens(160, 200)
     generate(llm, [prompt[:128] + prompt_tokens(161, 10)], greedy(2))  # cache a prefix
     (got,) = generate(llm, [prompt], greedy(24))
-    oracle = router_topk(tiny_model, prompt + list(got.tokens[:-1]), device="cuda")
-    bad = disagreements(got.routed, oracle)
-    not_ties = [(t, layer) for t, layer in bad.tolist() if oracle.margin[t, layer] > 1e-5]
+    choice = oracle(got)
+    bad = disagreements(got.routed, choice)
+    far = [(t, layer, float(choice.margin[t, layer])) for t, layer in bad.tolist() if choice.margin[t, layer] >= NEAR_TIE]
     print(f"RESULT transformers oracle: {got.routed.shape[0]} tokens x {len(MOE_LAYERS)} MoE layers, "
-          f"{len(bad)} differ ({len(not_ties)} not near-ties), cached={got.num_cached_tokens}")
-    assert not not_ties, f"(token, layer) pairs that differ from transformers: {not_ties[:5]} of {len(not_ties)}"
+          f"{len(bad)} differ (margins {[round(float(choice.margin[t, layer]), 6) for t, layer in bad.tolist()]}), "
+          f"cached={got.num_cached_tokens}")
+    assert not far, f"(token, layer, margin) that differ from transformers away from a tie: {far[:5]} of {len(far)}"
+    assert len(bad) <= MAX_TIE_SHARE * got.routed.shape[0] * len(MOE_LAYERS)
