@@ -14,9 +14,12 @@ Numerics: vLLM's fused-MoE Triton kernels multiply float32 on TF32 tensor cores,
 cuBLAS picks kernels by batch shape, so a batched run and a lone run (or vLLM and
 transformers) may break a near-tie between two experts differently. A row may
 therefore differ from the comparison run only where transformers' router puts the
-k-th and (k+1)-th expert within ``NEAR_TIE`` of each other, at most in
-``MAX_TIE_SHARE`` of the (token, layer) pairs; anything else (a shifted, stale, missing
-or foreign row) differs at pairs far from any tie and fails.
+k-th and (k+1)-th expert close to each other: within ``NEAR_TIE`` against the same
+runner's lone run (same kernels), within ``NEAR_TIE_TRANSFORMERS`` against transformers
+(float32 without TF32, whose difference grows with depth: gaps up to 0.0103 flipped in
+the last MoE layer on an H200), at most in ``MAX_TIE_SHARE`` of the (token, layer)
+pairs. A shifted, stale, missing or foreign row differs at pairs far from any tie, in
+every layer, and fails.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ RUNNER = "v1" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "").strip() in ("0",
 BLOCK_SIZE = 16
 NUM_BLOCKS = 96  # 1536 token slots: the preemption scenario overflows it
 TOKEN_BUDGET = 256  # prefills longer than this are chunked
-NEAR_TIE = 2e-3  # router probability gap under which TF32 noise may flip a choice
+NEAR_TIE = 2e-3  # router probability gap under which batch-shape noise may flip a choice
+NEAR_TIE_TRANSFORMERS = 2e-2  # the same against transformers' float32 (no TF32)
 MAX_TIE_SHARE = 0.01
 
 # The scenarios' requests, fixed here so the reference child can run them all first.
@@ -125,18 +129,29 @@ def oracle(tiny_model):
 
 
 def assert_same_routing(got: Completion, want: Completion, oracle) -> None:
-    """Same tokens, shape and dtype, and the same experts row for row except at
-    near-ties (module docstring)."""
-    assert got.tokens == want.tokens, "generated tokens differ from the reference run"
+    """Rows equal to the reference's wherever both runs forwarded the same tokens, and
+    every row equal to transformers' routers over this run's own tokens, except at
+    near-ties (module docstring). Under TF32 noise a long greedy run may sample a
+    different token than the lone run; rows after it are checked against transformers
+    alone."""
+    from hf_oracle import disagreements
+
     assert got.routed is not None, f"no routed_experts (finish_reason={got.finish_reason})"
     assert got.routed.dtype == want.routed.dtype and got.routed.shape == want.routed.shape
-    differ = np.argwhere((np.sort(got.routed, axis=2) != np.sort(want.routed, axis=2)).any(axis=2))
-    if differ.size:
-        margin = oracle(got).margin
-        far = [(t, layer, float(margin[t, layer])) for t, layer in differ.tolist() if margin[t, layer] >= NEAR_TIE]
-        assert not far, f"rows differ away from any near-tie at (token, layer, margin) {far[:5]} of {len(far)}"
+    same = next((i for i, (a, b) in enumerate(zip(got.tokens, want.tokens)) if a != b), len(got.tokens))
+    rows = len(got.prompt) + same  # rows forwarded from the same tokens in both runs
+    choice = oracle(got)
+    for name, differ, tie in (
+        ("the reference",
+         np.argwhere((np.sort(got.routed[:rows], axis=2) != np.sort(want.routed[:rows], axis=2)).any(axis=2)), NEAR_TIE),
+        ("transformers", disagreements(got.routed, choice), NEAR_TIE_TRANSFORMERS),
+    ):
+        far = [(t, layer, float(choice.margin[t, layer])) for t, layer in differ.tolist() if choice.margin[t, layer] >= tie]
+        assert not far, f"rows differ from {name} away from any near-tie at (token, layer, margin) {far[:5]} of {len(far)}"
         assert len(differ) <= MAX_TIE_SHARE * got.routed.shape[0] * len(MOE_LAYERS), f"{len(differ)} near-ties"
-        print(f"RESULT {len(differ)} near-tie (token, layer) pairs differ from the reference")
+        if len(differ) or same < len(got.tokens):
+            print(f"RESULT {len(differ)} near-tie pairs differ from {name}; {same}/{len(got.tokens)} generated tokens "
+                  "equal the reference's")
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +261,8 @@ def test_routing_equals_the_top_k_of_transformers_routers(llm, oracle):
     (got,) = generate(llm, [prompt], greedy(24))
     choice = oracle(got)
     bad = disagreements(got.routed, choice)
-    far = [(t, layer, float(choice.margin[t, layer])) for t, layer in bad.tolist() if choice.margin[t, layer] >= NEAR_TIE]
+    far = [(t, layer, float(choice.margin[t, layer])) for t, layer in bad.tolist()
+           if choice.margin[t, layer] >= NEAR_TIE_TRANSFORMERS]
     print(f"RESULT transformers oracle: {got.routed.shape[0]} tokens x {len(MOE_LAYERS)} MoE layers, "
           f"{len(bad)} differ (margins {[round(float(choice.margin[t, layer]), 6) for t, layer in bad.tolist()]}), "
           f"cached={got.num_cached_tokens}")
