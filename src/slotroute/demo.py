@@ -25,6 +25,7 @@ import argparse
 import base64
 import binascii
 import importlib.metadata
+import importlib.util
 import io
 import json
 import os
@@ -322,7 +323,11 @@ def serve_command(model: str) -> list[str]:
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
-        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model]
+        # 0.29 moved the server's entry module from vllm/entrypoints/openai/api_server.py.
+        entry = "vllm.entrypoints.launchers.api_server.entry"
+        if importlib.util.find_spec("vllm.entrypoints.launchers") is None:
+            entry = "vllm.entrypoints.openai.api_server"
+        return [sys.executable, "-m", entry, "--model", model]
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
 
 
