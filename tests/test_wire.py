@@ -217,6 +217,25 @@ def test_bit_flips_raise_value_error_or_decode_consistently(data):
     _decodes_consistently(bytes(payload))
 
 
+@pytest.mark.parametrize("dtype", ROUTING_DTYPES)
+def test_every_byte_overwritten_raises_the_corrupt_payload_error_or_decodes_consistently(dtype):
+    """Each byte of a small step (header, arrays and trailer) set to values that are
+    invalid msgpack markers or invalid UTF-8 in a string field."""
+    payload = step(3, dtype=dtype).encode()
+    for position in range(len(payload)):
+        for value in (0x00, 0x7F, 0x80, 0xC1, 0xC3, 0xFF):
+            corrupt = bytearray(payload)
+            corrupt[position] = value
+            try:
+                _decodes_consistently(bytes(corrupt))
+            except ValueError as error:
+                raise AssertionError(f"byte {position} = {value:#x}") from error
+            try:
+                RoutedExpertsLists.decode(bytes(corrupt))
+            except ValueError as error:
+                assert str(error).startswith("corrupt RoutedExpertsLists payload"), (position, value, str(error))
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=200))
 def test_random_bytes_raise_value_error_or_decode_consistently(payload):

@@ -157,7 +157,7 @@ class RoutedExpertsLists(msgspec.Struct, frozen=True, eq=False, gc=False):
         """
         try:
             payload = _DECODER.decode(buf)
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # a str field with bytes that are not UTF-8
             raise ValueError(f"corrupt RoutedExpertsLists payload: {_name_field(str(exc))}") from None
         num_tokens, num_layers, top_k = payload.routing_shape
         routing_dtype = np.dtype(payload.routing_dtype)
