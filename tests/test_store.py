@@ -871,3 +871,18 @@ def test_large_batches_match_a_dict_of_slots(spec, dtype, seed, data):
     for slot, row in ref.items():
         np.testing.assert_array_equal(buffer[slot], row)
     assert mgr.stats().slots_written == len(ref)
+
+
+@pytest.mark.parametrize("shift", [1, 37, -37])
+def test_store_batch_of_a_view_of_its_own_rows_stores_what_a_copy_would(shift, step_path):
+    """Copying routing between blocks by passing ``routed_experts_by_slot`` rows back
+    in: overlapping source and destination give exactly the result of a copy."""
+    spec = RoutingSpec(num_layers=48, top_k=8, num_experts=128)  # 384-byte rows: the C loop streams runs
+    mgr = make(spec, num_blocks=1100, block_size=4)
+    n = 4000
+    mgr.store_batch(routing(spec, 4400, seed=9), np.arange(4400))
+    source = np.arange(100, 100 + n)
+    expected = mgr.routed_experts_by_slot.copy()
+    expected[source + shift] = expected[source]
+    mgr.store_batch(mgr.routed_experts_by_slot[100 : 100 + n], source + shift)
+    np.testing.assert_array_equal(mgr.routed_experts_by_slot, expected)

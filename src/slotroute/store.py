@@ -194,7 +194,8 @@ class RoutedExpertsManager:
         ----------
         data
             Expert ids, shape ``(N, num_layers, top_k)``, dtype uint8, uint16, int32
-            or int64. It is copied; the caller keeps ownership.
+            or int64. It is copied; the caller keeps ownership. It may be a view of
+            this store's own rows: the result is that of storing a copy of it.
         slot_mapping
             Integer array or sequence of shape ``(N,)``.
 
@@ -206,6 +207,8 @@ class RoutedExpertsManager:
         IndexError
             A slot >= ``num_slots``.
         """
+        if type(data) is np.ndarray and np.may_share_memory(data, self._buffer):
+            data = data.copy()  # rows of this store, e.g. copied between blocks: read before any write
         native = self._native
         if native is not None:
             # The C loop takes arrays as the worker ships them, C-contiguous with int64
