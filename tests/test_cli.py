@@ -41,3 +41,18 @@ def test_bench_help_does_not_import_torch_or_vllm():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stderr.strip().endswith("[]")
+
+
+@pytest.mark.parametrize(("met", "check", "status"), [(False, True, 1), (False, False, 0), (True, True, 0)])
+def test_bench_check_exits_1_only_when_a_target_is_missed(monkeypatch, met, check, status):
+    import argparse
+
+    from slotroute import bench
+
+    row = bench.Row("store", 1e-6, 384, 1e-6, 2e-6, ">= 2x baseline", met)
+    monkeypatch.setattr(bench, "bench_preset", lambda spec, rounds, progress: [row])
+    monkeypatch.setattr(bench, "demand_paging_report", lambda spec: "")
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--preset", "qwen3-30b-a3b", "--rounds", "1"] + (["--check"] if check else []))
+    assert bench.run(args) == status

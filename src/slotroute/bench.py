@@ -477,6 +477,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot", metavar="PATH", help="also write scaling curves for the first preset as a PNG"
     )
+    parser.add_argument("--check", action="store_true", help="exit with status 1 if a target is missed")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -505,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
         if progress is not None:
             progress.close()
     print("\nall targets met" if all_met else "\nsome targets NOT met (see the 'met' column)")
-    return 0
+    return 1 if args.check and not all_met else 0
 
 
 def _print(progress, text: str) -> None:
