@@ -886,3 +886,22 @@ def test_store_batch_of_a_view_of_its_own_rows_stores_what_a_copy_would(shift, s
     expected[source + shift] = expected[source]
     mgr.store_batch(mgr.routed_experts_by_slot[100 : 100 + n], source + shift)
     np.testing.assert_array_equal(mgr.routed_experts_by_slot, expected)
+
+
+def test_importing_slotroute_reads_no_file_and_loads_no_library():
+    """sysfs (the cache size) and libc (mincore) are read on first use, not at import."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy, msgspec\n"  # its dependencies first: numpy loads ctypes itself
+        "seen = []\n"
+        "sys.addaudithook(lambda event, args: seen.append((event, str(args[0])[:80])) "
+        "if event in ('open', 'os.scandir', 'ctypes.dlopen') else None)\n"
+        "import slotroute, slotroute.store, slotroute.wire, slotroute.spec\n"
+        "print([s for s in seen if not s[1].endswith(('.py', '.pyc', '.so')) and '__pycache__' not in s[1] "
+        "and 'site-packages' not in s[1] and 'slotroute' not in s[1]])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from slotroute.spec import RoutingSpec
-from slotroute.store import STREAM_RESULTS_FROM, RoutedExpertsManager, largest_unsigned, last_level_cache_bytes
+from slotroute.store import RoutedExpertsManager, largest_unsigned, last_level_cache_bytes, stream_results_from
 from slotroute.wire import RoutedExpertsLists
 
 __all__ = [
@@ -398,7 +398,7 @@ def machine() -> str:
     cache = f"{llc >> 20} MiB last-level cache" if llc else "last-level cache unknown"
     return (
         f"{model}, {os.cpu_count()} CPUs, {cache}, numpy {np.__version__}, Python {sys.version.split()[0]}; "
-        f"rotations over {ROTATION_BYTES >> 20} MiB, results from {STREAM_RESULTS_FROM >> 20} MiB streamed"
+        f"rotations over {ROTATION_BYTES >> 20} MiB, results from {stream_results_from() >> 20} MiB streamed"
     )
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import operator
 import os
@@ -62,8 +60,16 @@ def last_level_cache_bytes(cpu: str = "/sys/devices/system/cpu/cpu0") -> int | N
 # quarter of the last-level cache, the size from which glibc's memcpy (2.38 on) does
 # the same. A result that large would evict much of the cache on its way to the
 # caller, who reads it once; smaller ones stay in cache. 8 MiB where the size is
-# unknown.
-STREAM_RESULTS_FROM = (last_level_cache_bytes() or 32 << 20) // 4
+# unknown. Read from sysfs when the first store is built, not at import.
+STREAM_RESULTS_FROM: int | None = None
+
+
+def stream_results_from() -> int:
+    """:data:`STREAM_RESULTS_FROM`, reading the cache size on the first call."""
+    global STREAM_RESULTS_FROM
+    if STREAM_RESULTS_FROM is None:
+        STREAM_RESULTS_FROM = (last_level_cache_bytes() or 32 << 20) // 4
+    return STREAM_RESULTS_FROM
 
 # Lists of at most this many block ids are invalidated one by one from Python: 0.1 µs
 # per id against 1.3 µs for numpy to convert a list into an index (measured hot).
@@ -277,7 +283,8 @@ class RoutedExpertsManager:
             return self._gather(blocks, num_tokens, token_start)
         out = np.empty((num_tokens - token_start, *self._token_shape), dtype=self._buffer.dtype)
         ids = blocks if as_list else np.ascontiguousarray(blocks, dtype=np.int64)
-        status = self._native.gather_blocks(*self._arrays, out, ids, token_start, num_tokens, STREAM_RESULTS_FROM)
+        stream_from = STREAM_RESULTS_FROM if STREAM_RESULTS_FROM is not None else stream_results_from()
+        status = self._native.gather_blocks(*self._arrays, out, ids, token_start, num_tokens, stream_from)
         if status == _OK:
             return out
         if status != _MISSING:  # a list numpy must read: other int types, or a bad id
@@ -586,6 +593,9 @@ def _index_int(name: str, value) -> int:
 
 
 def _load_mincore():
+    import ctypes
+    import ctypes.util
+
     path = ctypes.util.find_library("c")
     try:
         fn = ctypes.CDLL(path, use_errno=True).mincore
@@ -596,12 +606,16 @@ def _load_mincore():
     return fn
 
 
-_MINCORE = _load_mincore()
+_UNLOADED = object()
+_MINCORE = _UNLOADED  # libc's mincore, loaded on first use (None where unavailable)
 
 
 def _resident_bytes(array: np.ndarray) -> int | None:
     """Bytes of ``array``'s pages that are resident now, or None where mincore is
     unavailable. Counts whole pages overlapping the array."""
+    global _MINCORE
+    if _MINCORE is _UNLOADED:
+        _MINCORE = _load_mincore()
     if _MINCORE is None or array.nbytes == 0:
         return None
     page = mmap.PAGESIZE
