@@ -905,3 +905,47 @@ def test_importing_slotroute_reads_no_file_and_loads_no_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_c_statuses_are_the_ones_store_names():
+    import re
+    from pathlib import Path
+
+    source = (Path(store_module.__file__).parent / "_native.c").read_text()
+    enum = re.search(r"enum \{([^}]*)\};", source).group(1)
+    found = {name: int(value) for name, value in re.findall(r"(\w+) = (\d+)", enum)}
+    assert found == {name: i for i, name in enumerate(store_module.STATUSES)}
+
+
+def _gather_direct(mgr, out, blocks, start, stop):
+    return store_module._native.gather_blocks(*mgr._arrays, out, blocks, start, stop, 1 << 30)
+
+
+def test_c_gather_refuses_blocks_that_do_not_cover_the_range():
+    mgr = make(SPECS[0], num_blocks=8, block_size=4)
+    mgr.store_batch(routing(SPECS[0], 32), np.arange(32))
+    out = np.empty((10, *SPECS[0].token_shape), SPECS[0].storage_dtype)
+    assert _gather_direct(mgr, out, [0, 1], 0, 10) == store_module.STATUSES.index("NOT_COVERED")
+    assert _gather_direct(mgr, out, np.array([0, 1], np.int64), 0, 10) == store_module.STATUSES.index("NOT_COVERED")
+    assert _gather_direct(mgr, out, [0, 1, 2], 0, 10) == store_module.STATUSES.index("OK")
+
+
+@pytest.mark.parametrize(("rows", "start", "stop"), [(9, 0, 10), (11, 0, 10), (11, -1, 10), (0, 5, 4)])
+def test_c_gather_refuses_an_output_or_range_that_does_not_fit(rows, start, stop):
+    mgr = make(SPECS[0], num_blocks=8, block_size=4)
+    mgr.store_batch(routing(SPECS[0], 32), np.arange(32))
+    out = np.empty((rows, *SPECS[0].token_shape), SPECS[0].storage_dtype)
+    assert _gather_direct(mgr, out, [0, 1, 2, 3], start, stop) == store_module.STATUSES.index("LAYOUT")
+
+
+def test_an_unexpected_c_status_is_an_internal_error_not_a_wrong_message(monkeypatch):
+    mgr = make(SPECS[0], num_blocks=8, block_size=4)
+    mgr.store_batch(routing(SPECS[0], 8), np.arange(8))
+
+    class Native:
+        def __getattr__(self, name):
+            return lambda *args: 42
+
+    monkeypatch.setattr(mgr, "_native", Native())
+    with pytest.raises(RuntimeError, match=r"internal error: gather_blocks returned status 42 \(unknown\)"):
+        mgr.get(np.array([0, 1]), 8)

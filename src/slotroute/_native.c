@@ -37,8 +37,8 @@
 #define VECTOR_CLONES
 #endif
 
-/* Statuses; store.py names them too. */
-enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 5 };
+/* Statuses, in this order in store.py's STATUSES too (a test compares them). */
+enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 5, NOT_COVERED = 6 };
 
 /* Runs of at least this many bytes go through non-temporal stores. */
 #define STREAM_FROM (64 << 10)
@@ -392,9 +392,11 @@ PyDoc_STRVAR(gather_blocks_doc,
 "Tokens start..stop-1 of the blocks' concatenation into out, from the store's\n"
 "arrays as store_rows takes them (len(invalidated_at) blocks); an out of\n"
 "stream_from bytes or more is written with non-temporal stores. blocks is a list,\n"
-"or an int64 buffer. Returns 4 if a list item is not an int, 1 if a block id is\n"
-"out of range, 3 if a token's slot was not written since its block's invalidation\n"
-"(out then holds garbage), else 0.");
+"or an int64 buffer. Returns 5 if start..stop is not a range of tokens or out is\n"
+"not (stop - start) rows of the buffer, 6 if the blocks do not cover stop tokens,\n"
+"4 if a list item is not an int, 1 if a block id is out of range, 3 if a token's\n"
+"slot was not written since its block's invalidation (out then holds garbage),\n"
+"else 0.");
 
 static PyObject *gather_blocks(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -435,8 +437,20 @@ static PyObject *gather_blocks(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     const Written w = written_of(store);
     const Py_ssize_t block_size = w.block_size, num_blocks = store[2].len / 8;
-    const Py_ssize_t row = stop > start ? out.len / (stop - start) : 0;
-    const Py_ssize_t first = start / block_size, last = (stop + block_size - 1) / block_size;
+    const Py_ssize_t num_slots = num_blocks * block_size;
+    const Py_ssize_t row = num_slots ? store[0].len / num_slots : 0;
+    Py_ssize_t first = 0, last = 0;
+    /* Every length the loops below rely on, checked against the arrays themselves. */
+    if (start < 0 || stop < start || num_slots == 0 || store[0].len != num_slots * row ||
+        store[1].len != num_slots * 8 || store[3].len != num_blocks || out.len != (stop - start) * row) {
+        if (status == OK)
+            status = LAYOUT;
+    } else {
+        first = start / block_size;
+        last = (stop + block_size - 1) / block_size;
+        if (last > count && status == OK)
+            status = NOT_COVERED;
+    }
     for (Py_ssize_t i = 0; i < count && status == OK; i++) {
         int64_t b = block_at(&blocks, i);
         if (b == -1 && PyErr_Occurred()) { /* an int beyond int64 */

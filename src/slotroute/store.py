@@ -36,8 +36,9 @@ def largest_unsigned(values: np.ndarray) -> int:
         values = values.view(_UNSIGNED[values.dtype.itemsize])
     return values.item(values.argmax())
 
-# Statuses of the C loops (_native.c) that store.py tells apart.
-_OK, _MISSING = 0, 3
+# Statuses of the C loops, in the order of _native.c's enum (a test compares them).
+STATUSES = ("OK", "OUT_OF_RANGE", "BAD_ID", "MISSING", "NOT_INT", "LAYOUT", "NOT_COVERED")
+_OK, _OUT_OF_RANGE, _MISSING, _NOT_INT = (STATUSES.index(name) for name in ("OK", "OUT_OF_RANGE", "MISSING", "NOT_INT"))
 
 
 def last_level_cache_bytes(cpu: str = "/sys/devices/system/cpu/cpu0") -> int | None:
@@ -287,9 +288,11 @@ class RoutedExpertsManager:
         status = self._native.gather_blocks(*self._arrays, out, ids, token_start, num_tokens, stream_from)
         if status == _OK:
             return out
-        if status != _MISSING:  # a list numpy must read: other int types, or a bad id
+        if status == _MISSING:
+            return self._gather(self._checked_blocks(block_ids), num_tokens, token_start)  # raises
+        if as_list and status in (_NOT_INT, _OUT_OF_RANGE):  # a list numpy must read: other ints, or a bad id
             return self.get(self._checked_blocks(block_ids), num_tokens, token_start)
-        return self._gather(self._checked_blocks(block_ids), num_tokens, token_start)  # raises
+        raise RuntimeError(f"internal error: gather_blocks returned status {_status_name(status)} for checked input")
 
     def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
         """Mark every slot of these blocks unwritten: :meth:`get` of them raises
@@ -439,6 +442,8 @@ class RoutedExpertsManager:
         )
         if status != _OK:
             data, slots = self._checked_slots(data, slots)  # raises for a slot beyond the store
+            if status != STATUSES.index("BAD_ID"):
+                raise RuntimeError(f"internal error: store_rows returned status {_status_name(status)} for checked input")
             raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
         self._last_stamp += slots.shape[0]
 
@@ -590,6 +595,10 @@ def _index_int(name: str, value) -> int:
         return operator.index(value)
     except TypeError:
         raise ValueError(f"{name} must be an int, got {type(value).__name__}") from None
+
+
+def _status_name(status: int) -> str:
+    return STATUSES[status] if 0 <= status < len(STATUSES) else f"{status} (unknown)"
 
 
 def _load_mincore():
