@@ -62,6 +62,7 @@ typedef uint8_t u8;
 typedef uint16_t u16u __attribute__((aligned(1)));
 typedef uint32_t u32u __attribute__((aligned(1)));
 typedef uint64_t u64u __attribute__((aligned(1)));
+typedef int64_t i64u __attribute__((aligned(1))); /* slots, also read from the wire */
 
 /* The largest id in n items, read unsigned: a negative id reads larger than any
  * valid one, so one comparison checks both ends. */
@@ -196,7 +197,7 @@ static void flag_full_blocks(const Written *w, int64_t first, int64_t last)
 }
 
 /* Write the rows of a checked step. */
-static void write_rows(char *buffer, const Written *w, const char *data, const int64_t *slots,
+static void write_rows(char *buffer, const Written *w, const char *data, const i64u *slots,
                        Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
                        long long first_stamp)
 {
@@ -240,7 +241,7 @@ static void write_rows(char *buffer, const Written *w, const char *data, const i
 
 /* Check a step of n rows of `items` ids, then write it (store_rows). */
 static int store_checked(Py_buffer *buffer, const Written *w, Py_ssize_t num_slots, Py_buffer *data,
-                         const int64_t *s, Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
+                         const i64u *s, Py_ssize_t n, Py_ssize_t items, int in_size, int out_size,
                          unsigned long long limit, long long first_stamp)
 {
     int status = OK, padded = 0;
