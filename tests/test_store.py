@@ -949,3 +949,23 @@ def test_an_unexpected_c_status_is_an_internal_error_not_a_wrong_message(monkeyp
     monkeypatch.setattr(mgr, "_native", Native())
     with pytest.raises(RuntimeError, match=r"internal error: gather_blocks returned status 42 \(unknown\)"):
         mgr.get(np.array([0, 1]), 8)
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.uint8, np.uint16, np.int32, np.int64, np.int8, np.int16, np.uint32, np.uint64, np.float32]
+)
+def test_the_c_loops_accept_exactly_the_id_dtypes_of_the_spec(dtype):
+    """One definition of the accepted id dtypes (spec.ID_DTYPES): the wire format and
+    store_batch use it, and the C loop takes exactly those as they come."""
+    from slotroute.spec import ID_DTYPES
+    from slotroute.wire import ROUTING_DTYPES
+
+    assert store_module.INPUT_DTYPES == ID_DTYPES
+    assert ROUTING_DTYPES == tuple(d.str for d in ID_DTYPES)
+    mgr = make(SPECS[0], num_blocks=2, block_size=4)
+    data = routing(SPECS[0], 3).astype(dtype)
+    status = store_module._native.store_rows(
+        *mgr._arrays, data, np.arange(3, dtype=np.int64), *SPECS[0].token_shape, SPECS[0].num_experts, 1
+    )
+    expected = "OK" if np.dtype(dtype) in ID_DTYPES else "LAYOUT"
+    assert store_module.STATUSES[status] == expected

@@ -8,7 +8,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MissingRoutingError", "RoutingSpec", "split_routed_experts"]
+__all__ = ["ID_DTYPES", "MissingRoutingError", "RoutingSpec", "split_routed_experts"]
+
+# The dtypes expert ids may arrive in, everywhere slotroute takes them (the wire format,
+# store_batch, the store's C loops): the two storage dtypes and the two of top-k ids.
+ID_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.dtype(np.int64))
 
 # Naming variants used by real Hugging Face MoE configs, most common first.
 EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")

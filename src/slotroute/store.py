@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from slotroute.spec import MissingRoutingError, RoutingSpec
+from slotroute.spec import ID_DTYPES, MissingRoutingError, RoutingSpec
 
 try:
     from slotroute import _native
@@ -21,7 +21,7 @@ __all__ = ["INPUT_DTYPES", "RoutedExpertsManager", "StoreStats"]
 
 # Expert-id dtypes store_batch accepts: narrow ones as the capturer ships them,
 # wide ones as vLLM's own capturer does.
-INPUT_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16), np.dtype(np.int32), np.dtype(np.int64))
+INPUT_DTYPES = ID_DTYPES
 
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 

@@ -14,11 +14,13 @@ from typing import Annotated, Literal
 import msgspec
 import numpy as np
 
+from slotroute.spec import ID_DTYPES
+
 __all__ = ["ROUTING_DTYPES", "SLOT_DTYPES", "RoutedExpertsLists"]
 
 # Little-endian dtype strings; numpy's ``dtype.str`` spells native dtypes this way
 # on every platform slotroute runs on (checked below at import).
-ROUTING_DTYPES = ("|u1", "<u2", "<i4", "<i8")
+ROUTING_DTYPES = tuple(dtype.str for dtype in ID_DTYPES)  # "|u1", "<u2", "<i4", "<i8"
 SLOT_DTYPES = ("<i4", "<i8")
 FORMAT = "slotroute.step/1"
 
