@@ -25,6 +25,7 @@ Importing this package does not import vLLM; :func:`register` does.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
@@ -70,29 +71,21 @@ def unsupported_reason(version: str) -> str | None:
     return f"slotroute: vLLM {version} is not patched; slotroute supports {_SUPPORTED_TEXT}"
 
 
+# Each adapter's patch set: the module and the function that builds it, imported only
+# for the adapters of the installed generation.
+_PATCH_SETS = {
+    "cpu": ("slotroute.vllm.cpu", "cpu_patches"),
+    "scheduler": ("slotroute.vllm.scheduler", "scheduler_patches"),
+    "runner_v1": ("slotroute.vllm.runner_v1", "v1_runner_patches"),
+    "runner_v2": ("slotroute.vllm.runner_v2", "v2_runner_patches"),
+    "requests": ("slotroute.vllm.requests", "request_patches"),
+}
+
+
 def _patch_set(name: str) -> list:
-    """The patches of one adapter, built (and their modules imported) on demand."""
-    if name == "cpu":
-        from slotroute.vllm.cpu import cpu_patches
-
-        return cpu_patches()
-    if name == "scheduler":
-        from slotroute.vllm.scheduler import scheduler_patches
-
-        return scheduler_patches()
-    if name == "runner_v1":
-        from slotroute.vllm.runner_v1 import v1_runner_patches
-
-        return v1_runner_patches()
-    if name == "runner_v2":
-        from slotroute.vllm.runner_v2 import v2_runner_patches
-
-        return v2_runner_patches()
-    if name == "requests":
-        from slotroute.vllm.requests import request_patches
-
-        return request_patches()
-    raise KeyError(name)
+    """The patches of one adapter, built (and their module imported) on demand."""
+    module, function = _PATCH_SETS[name]
+    return getattr(importlib.import_module(module), function)()
 
 
 def _disabled() -> bool:
