@@ -17,7 +17,8 @@ Each configuration runs in its own process (vLLM caches its environment per
 process). Printed per configuration and workload: generated tok/s and requests/min
 with their ratio to "off", bytes shipped per engine step, and the host time per step
 spent in the routing calls of the worker and the scheduler. The model runner is
-vLLM's default (V2 on 0.29/0.30); ``--runner v1`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
+vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``
+(on 0.31+ vLLM's own path needs V2: ``--configs off,slotroute`` there).
 
 usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--layers 48] [--json OUT]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager`` is a
@@ -91,7 +92,22 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
         data, slots = args[-2], args[-1]
         shipped.append(int(data.nbytes) + int(slots.nbytes))
 
-    if config == "vllm":
+    import vllm
+
+    connector_generation = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+    if config == "vllm" and connector_generation:
+        from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+        from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
+
+        def count_rows(args, result):  # what one step's worker output carries
+            shipped.append(sum(out.rows.nbytes + 8 for out in (result or {}).values()))
+
+        for name in ("build_connector_meta", "take_output", "request_finished"):
+            timer.wrap(AuxOutputSchedulerConnector, name, "scheduler")
+        for name in ("begin_step", "prepare_output"):
+            timer.wrap(AuxOutputWorkerConnector, name, "worker")
+        timer.wrap(AuxOutputWorkerConnector, "process_output", "worker", count_rows)
+    elif config == "vllm":
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
             RoutedExpertsCapturer,
             RoutedExpertsManager,
@@ -102,6 +118,19 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
         timer.wrap(RoutedExpertsManager, "get", "scheduler")
         timer.wrap(RoutedExpertsCapturer, "get_routed_experts", "worker")
         timer.wrap(RoutedExpertsTensors, "tolists", "worker")
+    elif connector_generation:
+        from slotroute.vllm import runner_v1, runner_v2_connector
+        from slotroute.vllm.connector import ConnectorRouting
+        from slotroute.vllm.worker import WorkerRouting
+
+        timer.wrap(ConnectorRouting, "store_batch", "scheduler", count_bytes)
+        for name in ("get", "on_new_blocks", "build_connector_meta", "take_output", "request_finished", "before_output",
+                     "after_output"):
+            timer.wrap(ConnectorRouting, name, "scheduler")
+        timer.wrap(WorkerRouting, "begin_step", "worker")
+        timer.wrap(WorkerRouting, "snapshot_step", "worker")
+        timer.wrap(runner_v2_connector.PendingStep, "process_output", "worker")
+        timer.wrap(runner_v1, "_ship_aux_output", "worker")
     else:
         from slotroute.vllm import runner_v1, runner_v2
         from slotroute.vllm.scheduler import SchedulerRouting
@@ -188,6 +217,8 @@ def child(args) -> None:
             bytes_per_step=sum(shipped) / steps,
             worker_us_per_step=1e6 * timer.seconds.get("worker", 0.0) / steps,
             scheduler_us_per_step=1e6 * timer.seconds.get("scheduler", 0.0) / steps,
+            worker_calls_per_step=timer.calls.get("worker", 0) / steps,
+            scheduler_calls_per_step=timer.calls.get("scheduler", 0) / steps,
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     print("CHILD " + json.dumps(dict(
@@ -242,15 +273,17 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\ndevice {device}, runner {args.runner}, {args.layers} layers, {args.requests} requests of "
           f"{args.prompt_len} + {args.gen_len} tokens")
-    print("| workload | config | tok/s | x off | req/min | bytes/step | worker us/step | scheduler us/step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | config | tok/s | x off | req/min | bytes/step | worker us/step | scheduler us/step "
+          "| routing calls/step (worker + scheduler) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ("rollout", "multi-turn"):
         off = found.get("off", {}).get("results", {}).get(name)
         for config, run in found.items():
             r = run["results"][name]
             ratio = f"{r['tok_s'] / off['tok_s']:.4f}" if off else "-"
             print(f"| {name} | {config} | {r['tok_s']:.0f} | {ratio} | {r['req_min']:.0f} | "
-                  f"{r['bytes_per_step']:.0f} | {r['worker_us_per_step']:.1f} | {r['scheduler_us_per_step']:.1f} |")
+                  f"{r['bytes_per_step']:.0f} | {r['worker_us_per_step']:.1f} | {r['scheduler_us_per_step']:.1f} | "
+                  f"{r.get('worker_calls_per_step', 0):.1f} + {r.get('scheduler_calls_per_step', 0):.1f} |")
         if off and "vllm" in found and "slotroute" in found:
             own = 1 - found["vllm"]["results"][name]["tok_s"] / off["tok_s"]
             ours = 1 - found["slotroute"]["results"][name]["tok_s"] / off["tok_s"]

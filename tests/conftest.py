@@ -80,7 +80,17 @@ def make_llm(model: str, **overrides):
         kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     args.update(overrides)
-    return LLM(**args)
+    llm = LLM(**args)
+    if _KEEP_ENGINES:
+        _LIVE_ENGINES.append(llm)
+    return llm
+
+
+# vLLM 0.31+ tear down the process's parallel state when an in-process engine shuts
+# down, which breaks every other engine of the test process: engines live as long as
+# the session there.
+_KEEP_ENGINES = tuple(int(part) for part in __import__("vllm").__version__.split(".")[:2]) >= (0, 31)
+_LIVE_ENGINES: list = []
 
 
 def greedy(max_tokens: int, **extra):
@@ -99,6 +109,29 @@ def generate(llm, prompts, params) -> list[Completion]:
 def scheduler_of(llm):
     """The in-process engine core's scheduler (the object slotroute patches)."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def routing_of(scheduler):
+    """slotroute's scheduler-side routing, where vLLM keeps its own: the routed-experts
+    manager (0.28-0.30) or the aux-output connector (0.31+); ``None`` if neither."""
+    found = getattr(scheduler, "routed_experts_mgr", None)
+    return found if found is not None else getattr(scheduler, "aux_output_connector", None)
+
+
+def shipped_routing(model_runner_output):
+    """The step's routing a worker put in its ``ModelRunnerOutput``: ``routed_experts``
+    (vLLM 0.28-0.30) or ``aux_output_connector_output`` (0.31+)."""
+    if hasattr(model_runner_output, "aux_output_connector_output"):
+        return model_runner_output.aux_output_connector_output
+    return model_runner_output.routed_experts
+
+
+def per_request_routing_state(scheduler) -> dict:
+    """What the scheduler keeps per request for routing: vLLM 0.28-0.30's block-id
+    snapshots, or slotroute's connector cursors (0.31+)."""
+    if hasattr(scheduler, "_re_block_ids"):
+        return scheduler._re_block_ids
+    return routing_of(scheduler)._cursors
 
 
 class Reference:

@@ -24,7 +24,9 @@ from conftest import (
     greedy,
     make_llm,
     prompt_tokens,
+    routing_of,
     scheduler_of,
+    shipped_routing,
 )
 from cpu_async import async_scheduling_on_cpu
 
@@ -142,7 +144,7 @@ def watch_scheduling(log: StepLog, llm) -> None:
     log.watch(scheduler, "finish_requests", "abort", aborted, before=True)
     log.watch(scheduler.kv_cache_manager.block_pool, "get_new_blocks", "handout",
               lambda args, blocks: frozenset(block.block_id for block in blocks) or None)
-    log.watch(scheduler.routed_experts_mgr, "store_batch", "store",
+    log.watch(routing_of(scheduler), "store_batch", "store",
               lambda args, out: frozenset((args[1][args[1] >= 0] // BLOCK_SIZE).tolist()))
 
 
@@ -247,7 +249,7 @@ def test_worker_runs_the_next_forward_before_the_previous_output_is_collected(as
     def log_collection(args, output):
         if isinstance(output, AsyncOutputWithRouting):
             step = next(count)
-            log.watch(output, "get_output", "collect", lambda args, result: (step, result.routed_experts))
+            log.watch(output, "get_output", "collect", lambda args, result: (step, shipped_routing(result)))
         return type(output), type(getattr(output, "_inner", None))
 
     prompts = [prompt_tokens(110 + i, 70 + 50 * i) for i in range(3)]

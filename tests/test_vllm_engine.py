@@ -17,14 +17,19 @@ from conftest import (
     generate,
     greedy,
     make_llm,
+    per_request_routing_state,
     prompt_tokens,
+    routing_of,
     scheduler_of,
 )
 
 pytestmark = pytest.mark.vllm
 
 # vLLM before 0.30 asserts prompt_start < prompt length in the scheduler; 0.30 admits equality.
-PROMPT_START_BELOW_LENGTH = tuple(int(part) for part in vllm.__version__.split(".")[:2]) < (0, 30)
+VLLM = tuple(int(part) for part in vllm.__version__.split(".")[:2])
+PROMPT_START_BELOW_LENGTH = VLLM < (0, 30)
+# vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
+CONNECTOR_GENERATION = VLLM >= (0, 31)
 TOKEN_BUDGET = 128  # max_num_batched_tokens of the engines under test: prefills chunk
 
 
@@ -88,7 +93,7 @@ def test_dense_layer_rows_hold_zero_and_moe_rows_hold_distinct_experts(llm):
 
 
 def test_worker_ships_routing_in_the_storage_dtype(llm):
-    routing = scheduler_of(llm).routed_experts_mgr
+    routing = routing_of(scheduler_of(llm))
     with Spy(routing, "store_batch") as spy:
         (got,) = generate(llm, [prompt_tokens(3, 40)], greedy(3))
     assert spy.calls, "no step reached store_batch"
@@ -241,7 +246,7 @@ def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference)
     assert "b" not in finished or finished["b"].finish_reason == "abort"
     for name in "ac":
         assert_same_completion(finished[name], reference(prompts[name], 10))
-    assert not scheduler.requests and not scheduler._re_block_ids
+    assert not scheduler.requests and not per_request_routing_state(scheduler)
     pool = scheduler.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # all but the null block
     # What b cached before the abort serves a later request exactly.
@@ -265,7 +270,7 @@ def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model
 def test_engine_without_routed_experts_runs_unchanged_under_the_plugin(tiny_model, reference):
     for plain in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64,
                         enable_return_routed_experts=False):
-        assert not hasattr(scheduler_of(plain), "routed_experts_mgr")
+        assert routing_of(scheduler_of(plain)) is None
         prompt = prompt_tokens(55, 140)
         (got,) = generate(plain, [prompt], greedy(5))
         assert got.routed is None and got.tokens == reference(prompt, 5).tokens
@@ -275,7 +280,7 @@ def test_request_whose_routing_is_missing_finishes_with_an_error(llm, reference)
     """If routing of a request's tokens is gone, the request fails; it never gets
     zeros or another token's routing, and the engine keeps serving."""
     llm_engine, scheduler = llm.llm_engine, scheduler_of(llm)
-    routing = scheduler.routed_experts_mgr
+    routing = routing_of(scheduler)
     llm.reset_prefix_cache()
     prompt = prompt_tokens(60, 2 * TOKEN_BUDGET + 10)
     request_id = llm_engine.add_request("lost", {"prompt_token_ids": prompt}, greedy(4))
@@ -342,3 +347,65 @@ def test_compiled_cpu_model_with_routed_experts_refuses_to_start_naming_enforce_
     then returns zeros): slotroute refuses at start instead of failing every step."""
     with pytest.raises(Exception, match="enforce_eager=True"):
         make_llm(tiny_model, enforce_eager=False, max_model_len=512, num_gpu_blocks_override=64)
+
+
+def test_request_whose_routing_is_missing_fails_alone_while_the_others_finish_exactly(llm, reference):
+    llm_engine, scheduler = llm.llm_engine, scheduler_of(llm)
+    routing = routing_of(scheduler)
+    llm.reset_prefix_cache()
+    prompts = {"lost": prompt_tokens(61, 2 * TOKEN_BUDGET + 10), "kept": prompt_tokens(62, 100)}
+    for name, prompt in prompts.items():
+        llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(6))
+    llm_engine.step()  # the first chunk of "lost" stored, none of its rows returned yet
+    (lost_blocks,) = scheduler.kv_cache_manager.get_block_ids("lost")
+    routing.store.invalidate_blocks(lost_blocks)
+    finished = {}
+    while llm_engine.has_unfinished_requests():
+        finished.update({o.request_id: completion(o) for o in llm_engine.step() if o.finished})
+    assert finished["lost"].finish_reason == "error"
+    assert_same_completion(finished["kept"], reference(prompts["kept"], 6))
+    assert not per_request_routing_state(scheduler)
+    llm.reset_prefix_cache()
+
+
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="vLLM 0.28-0.30 stop the engine on a failed step check")
+def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, reference):
+    """An expert id out of range in one step: the worker names its token and layer and
+    ships no rows; the step's request fails, the engine serves on exactly."""
+    engine_core = llm.llm_engine.engine_core.engine_core
+    capturer = engine_core.model_executor.driver_worker.worker.model_runner.__dict__["_slotroute_routing"].capturer
+    capture, armed = capturer.capture, [True]
+
+    def capture_one_bad_id(layer_id, topk_ids, **kwargs):
+        if armed[0] and layer_id == MOE_LAYERS[-1]:
+            armed[0] = False
+            topk_ids = topk_ids.clone()
+            topk_ids[2, 1] = TINY["num_experts"]
+        return capture(layer_id, topk_ids, **kwargs)
+
+    llm.reset_prefix_cache()
+    prompt = prompt_tokens(63, 70)
+    capturer.capture = capture_one_bad_id
+    try:
+        with Spy(routing_of(scheduler_of(llm)), "take_step", lambda args, result: args[1] is not None) as spy:
+            (failed,) = generate(llm, [prompt], greedy(4))
+    finally:
+        del capturer.capture
+    assert failed.finish_reason == "error"
+    failures = [step for _, step in spy.calls if not hasattr(step, "routing_data")]
+    assert len(failures) == 1
+    assert "the first is token 2 of the step (KV slot " in failures[0].error
+    assert f"layer {MOE_LAYERS[-1]}: {TINY['num_experts']}" in failures[0].error
+    llm.reset_prefix_cache()
+    (after,) = generate(llm, [prompt], greedy(4))
+    assert_same_completion(after, reference(prompt, 4))
+
+
+def test_prefix_cache_hit_is_served_from_the_slots_it_hit(llm, reference):
+    """A repeated prompt hits the prefix cache (no hit is refused for want of routing)
+    and returns the routing of a run without prefix caching."""
+    prompt = prompt_tokens(64, 5 * BLOCK_SIZE + 7)
+    generate(llm, [prompt], greedy(3))
+    (again,) = generate(llm, [prompt], greedy(3))
+    assert again.num_cached_tokens == 5 * BLOCK_SIZE
+    assert_same_completion(again, reference(prompt, 3))

@@ -29,7 +29,18 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import MOE_LAYERS, TINY, Completion, completion, generate, greedy, prompt_tokens, scheduler_of
+from conftest import (
+    MOE_LAYERS,
+    TINY,
+    Completion,
+    completion,
+    generate,
+    greedy,
+    per_request_routing_state,
+    prompt_tokens,
+    routing_of,
+    scheduler_of,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,31 +173,41 @@ def llm(tiny_model):
 
 
 def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place(llm):
+    import vllm
     from vllm.config import CUDAGraphMode
 
-    from slotroute.vllm.runner_v2 import StepCapture
     from slotroute.vllm.scheduler import SchedulerRouting
+
+    connector_generation = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
 
     config = llm.llm_engine.vllm_config
     runner = runner_of(llm)
     assert config.use_v2_model_runner is (RUNNER == "v2")
     assert config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     assert not config.model_config.enforce_eager
-    assert isinstance(scheduler_of(llm).routed_experts_mgr, SchedulerRouting)
+    assert isinstance(routing_of(scheduler_of(llm)), SchedulerRouting)
     if RUNNER == "v2":
         assert type(runner).__module__ == "vllm.v1.worker.gpu.model_runner"
-        assert isinstance(runner.routed_experts_capturer, StepCapture)
+        if connector_generation:
+            from slotroute.vllm.runner_v2_connector import StepConnector
+
+            assert isinstance(runner.aux_output_connector, StepConnector)
+        else:
+            from slotroute.vllm.runner_v2 import StepCapture
+
+            assert isinstance(runner.routed_experts_capturer, StepCapture)
     else:
         assert type(runner).__module__ == "vllm.v1.worker.gpu_model_runner"
         assert runner.__dict__.get("_slotroute_routing") is not None
-        assert not runner.routed_experts_initialized  # none of vLLM's int32 copies run
+        if not connector_generation:
+            assert not runner.routed_experts_initialized  # none of vLLM's int32 copies run
     print(f"RESULT runner={type(runner).__module__}.{type(runner).__qualname__} "
           f"cudagraph_mode={config.compilation_config.cudagraph_mode} "
-          f"async_scheduling={config.scheduler_config.async_scheduling}")
+          f"async_scheduling={config.scheduler_config.async_scheduling} vllm={vllm.__version__}")
 
 
 def test_worker_ships_narrow_rows_that_the_scheduler_stores(llm):
-    routing = scheduler_of(llm).routed_experts_mgr
+    routing = routing_of(scheduler_of(llm))
     seen = []
     store_batch = routing.store_batch
 
@@ -248,7 +269,7 @@ def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_r
     assert {"a", "c"} <= set(finished)
     for name in "ac":
         assert_same_routing(finished[name], gpu_reference(prompts[name], 10), oracle)
-    assert not scheduler.requests and not scheduler._re_block_ids
+    assert not scheduler.requests and not per_request_routing_state(scheduler)
 
 
 def test_routing_equals_the_top_k_of_transformers_routers(llm, oracle):

@@ -30,7 +30,8 @@ def pool_and_routing():
     from slotroute.vllm.patches import apply
     from slotroute.vllm.scheduler import _WATCHER_ATTR, SchedulerRouting, scheduler_patches
 
-    apply(scheduler_patches())  # what register() installs; idempotent
+    # The block pool's hook, as register() installs it on every generation; idempotent.
+    apply([patch for patch in scheduler_patches() if patch.qualname == "BlockPool.get_new_blocks"])
     pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BLOCK)
     routing = SchedulerRouting(RoutedExpertsManager(SPEC, num_blocks=6, block_size=BLOCK), attn_gid=0)
     setattr(pool, _WATCHER_ATTR, routing.on_new_blocks)

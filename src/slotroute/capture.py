@@ -228,7 +228,9 @@ class PendingSnapshot:
     :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
     """
 
-    __slots__ = ("_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_arrays", "_result", "_error")
+    __slots__ = (
+        "_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_arrays", "_result", "_error", "_failed_slots"
+    )
 
     def __init__(
         self,
@@ -238,8 +240,10 @@ class PendingSnapshot:
         error: Exception | None = None,
         copied: torch.cuda.Event | None = None,
         pinned: tuple[torch.Tensor | np.ndarray, torch.Tensor, torch.Tensor] | None = None,
+        failed_slots: np.ndarray | None = None,
     ):
         self._spec = spec
+        self._failed_slots = failed_slots
         self._num_tokens = num_tokens
         self._arrays = arrays
         self._result = None
@@ -284,22 +288,44 @@ class PendingSnapshot:
             raise self._error
         return self._arrays
 
+    def failed_slots(self) -> np.ndarray | None:
+        """The KV slots of the step (int64) if :meth:`result` raised, so that a caller
+        can drop what the step would have written; ``None`` otherwise."""
+        if self._copied is not None:
+            self._resolve()
+        return self._failed_slots if self._error is not None else None
+
     def _resolve(self) -> None:
         self._copied.synchronize()  # the pipeline's only host wait
         bad = int(self._bad[0])
+        data = self._rows.numpy().view(self._spec.storage_dtype)
+        slots = self._slots if isinstance(self._slots, np.ndarray) else self._slots.numpy()
         if bad:
-            self._error = _range_error(self._spec, self._num_tokens, bad)
+            self._error = _range_error(self._spec, self._num_tokens, bad, data, slots)
+            self._failed_slots = slots.astype(np.int64)
         else:
-            data = self._rows.numpy().view(self._spec.storage_dtype)
-            slots = self._slots if isinstance(self._slots, np.ndarray) else self._slots.numpy()
             self._arrays = (data, slots)
         self._copied = self._rows = self._bad = self._slots = None
 
 
-def _range_error(spec: RoutingSpec, num_tokens: int, bad: int) -> ValueError:
+def _range_error(
+    spec: RoutingSpec, num_tokens: int, bad: int, ids: np.ndarray | None = None, slots: np.ndarray | None = None
+) -> ValueError:
+    """The error for a snapshot with ``bad`` ids out of range; with the step's ``ids``
+    (int32 as captured, or narrowed to the storage dtype), it names the first one's token
+    and layer (a narrowed id may have wrapped into range: then only the count)."""
+    where = ""
+    if ids is not None:
+        unsigned = ids.view(np.uint32) if ids.dtype == np.int32 else ids
+        found = np.flatnonzero(unsigned.reshape(-1) >= spec.num_experts)
+        if found.size:
+            token, rest = divmod(int(found[0]), spec.num_layers * spec.top_k)
+            slot = "" if slots is None else f" (KV slot {int(slots[token])})"
+            value = int(ids.reshape(-1)[found[0]])
+            where = f"; the first is token {token} of the step{slot}, layer {rest // spec.top_k}: {value}"
     return ValueError(
         f"routing snapshot of {num_tokens} tokens holds {bad} expert id(s) outside "
-        f"[0, {spec.num_experts}) (num_experts); {NOT_CAPTURED} marks a (token, layer) "
+        f"[0, {spec.num_experts}) (num_experts){where}; {NOT_CAPTURED} marks a (token, layer) "
         "that no capture() wrote since clear_buffer()"
     )
 
@@ -565,7 +591,7 @@ class RoutedExpertsCapturer:
             data[...] = ids
             owned[...] = slots
         if bad:
-            return PendingSnapshot(spec, n, error=_range_error(spec, n, bad))
+            return PendingSnapshot(spec, n, error=_range_error(spec, n, bad, ids, owned), failed_slots=owned)
         return PendingSnapshot(spec, n, arrays=(data, owned))
 
     def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:

@@ -41,12 +41,15 @@ MODE_ENV = "SLOTROUTE_VLLM_MODE"
 MODES = ("slotroute", "cpu-capture-only")
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of
-# the patch sets in ``_PATCH_SETS``. Every generation here has the slot-indexed
-# routed-experts path (a scheduler-side RoutedExpertsManager).
+# the patch sets in ``_PATCH_SETS``. 0.28-0.30 have a slot-indexed routed-experts path
+# (a scheduler-side RoutedExpertsManager) that slotroute's store replaces; 0.31-0.32
+# have an aux-output connector that slotroute's connector replaces.
 ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
     (0, 28): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
     (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
     (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2"),
+    (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
+    (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
 }
 SUPPORTED = tuple(sorted(ADAPTERS))
 _SUPPORTED_TEXT = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
@@ -63,11 +66,6 @@ def unsupported_reason(version: str) -> str | None:
     major_minor = (int(match[1]), int(match[2]))
     if major_minor in ADAPTERS:
         return None
-    if major_minor > SUPPORTED[-1]:
-        return (
-            f"slotroute: vLLM {version} is not patched (0.31+ replaced the slot-indexed "
-            f"routed-experts path with its aux-output connector); slotroute supports {_SUPPORTED_TEXT}"
-        )
     return f"slotroute: vLLM {version} is not patched; slotroute supports {_SUPPORTED_TEXT}"
 
 
@@ -78,6 +76,9 @@ _PATCH_SETS = {
     "scheduler": ("slotroute.vllm.scheduler", "scheduler_patches"),
     "runner_v1": ("slotroute.vllm.runner_v1", "v1_runner_patches"),
     "runner_v2": ("slotroute.vllm.runner_v2", "v2_runner_patches"),
+    "connector": ("slotroute.vllm.connector", "connector_patches"),
+    "runner_v1_connector": ("slotroute.vllm.runner_v1", "v1_runner_connector_patches"),
+    "runner_v2_connector": ("slotroute.vllm.runner_v2_connector", "v2_runner_connector_patches"),
     "requests": ("slotroute.vllm.requests", "request_patches"),
 }
 
@@ -158,8 +159,12 @@ def _refuse_routed_experts(reason: str) -> None:
     original = VllmConfig.__post_init__
 
     def __post_init__(self, *args, **kwargs):
+        # vLLM 0.28-0.30 keep the flag in the model config, 0.31+ in the aux-output config.
         model_config = getattr(self, "model_config", None)
-        if getattr(model_config, "enable_return_routed_experts", False):
+        aux_output_config = getattr(self, "aux_output_config", None)
+        if getattr(model_config, "enable_return_routed_experts", False) or getattr(
+            aux_output_config, "enable_return_routed_experts", False
+        ):
             raise RuntimeError(
                 f"{reason}. This engine asked for routed experts, which slotroute cannot provide "
                 f"here; set {DISABLE_ENV}=1 to serve vLLM's own routed-experts path instead, or "

@@ -1,5 +1,7 @@
-"""The V1 model runner's adapter: ``vllm/v1/worker/gpu_model_runner.py``
-``GPUModelRunner`` (vLLM 0.28-0.30; the CPU model runner inherits it).
+"""The V1 model runner's adapters: ``vllm/v1/worker/gpu_model_runner.py``
+``GPUModelRunner`` (the CPU model runner inherits it).
+
+vLLM 0.28-0.30 (:func:`v1_runner_patches`):
 
 vLLM's own path sets ``routed_experts_initialized`` and then copies the int32 buffer
 to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``
@@ -8,6 +10,13 @@ to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``
 none of vLLM's int32 copies run; ``execute_model`` resets the step's rows before the
 forward and ``sample_tokens`` sets ``ModelRunnerOutput.routed_experts`` from the
 checked narrow snapshot, on both scheduling paths.
+
+vLLM 0.31-0.32 (:func:`v1_runner_connector_patches`): this runner returns no routing
+at all (vLLM's aux-output connector serves only the V2 runner). slotroute binds its
+capture once the KV cache exists (``initialize_kv_cache``), resets rows the same way,
+and ``sample_tokens`` sets ``ModelRunnerOutput.aux_output_connector_output`` to the
+step's rows and slots (:func:`~slotroute.vllm.worker.step_output`), which the
+scheduler side (``connector.py``) stores.
 """
 
 from __future__ import annotations
@@ -16,25 +25,37 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from slotroute.capture import PendingSnapshot
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.worker import WorkerRouting, as_vllm_lists
+from slotroute.vllm.worker import WorkerRouting, as_vllm_lists, step_output
 
-__all__ = ["AsyncOutputWithRouting", "v1_runner_patches"]
+__all__ = ["AsyncOutputWithRouting", "v1_runner_connector_patches", "v1_runner_patches"]
 
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 _ATTR = "_slotroute_routing"
 
 
+def _ship_routed_experts(output: ModelRunnerOutput, pending: PendingSnapshot) -> None:
+    """vLLM 0.28-0.30: the step's routing in ``ModelRunnerOutput.routed_experts``."""
+    output.routed_experts = as_vllm_lists(pending)
+
+
+def _ship_aux_output(output: ModelRunnerOutput, pending: PendingSnapshot) -> None:
+    """vLLM 0.31+: the step's routing in ``ModelRunnerOutput.aux_output_connector_output``."""
+    output.aux_output_connector_output = step_output(pending)
+
+
 class AsyncOutputWithRouting(AsyncModelRunnerOutput):
     """vLLM's async step output plus this step's pending routing; ``get_output``
-    waits for both. Any other attribute is the wrapped output's."""
+    waits for both and ships the routing with ``ship``. Any other attribute is the
+    wrapped output's."""
 
-    def __init__(self, inner: AsyncModelRunnerOutput, pending: PendingSnapshot) -> None:
+    def __init__(self, inner: AsyncModelRunnerOutput, pending: PendingSnapshot, ship=_ship_routed_experts) -> None:
         self._inner = inner
         self._pending = pending
+        self._ship = ship
 
     def get_output(self) -> ModelRunnerOutput:
         output = self._inner.get_output()
-        output.routed_experts = as_vllm_lists(self._pending)
+        self._ship(output, self._pending)
         return output
 
     def __getattr__(self, name: str):
@@ -50,9 +71,23 @@ def _make_init_capturer(original):
     leaves ``routed_experts_initialized`` False, so vLLM's int32 copies never run."""
 
     def init_routed_experts_capturer(self):
-        self.__dict__[_ATTR] = WorkerRouting(self)
+        self.__dict__[_ATTR] = WorkerRouting.of_runner(self)
 
     return init_routed_experts_capturer
+
+
+def _make_initialize_kv_cache(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.initialize_kv_cache``
+    (vLLM 0.31+): binds slotroute's capturer once the engine's KV cache exists, if the
+    engine returns routed experts."""
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        original(self, kv_cache_config, *args, **kwargs)
+        is_profiling = kwargs.get("is_profiling", args[0] if args else False)
+        if self.vllm_config.aux_output_config.enabled and not is_profiling:
+            self.__dict__[_ATTR] = WorkerRouting.of_runner(self)
+
+    return initialize_kv_cache
 
 
 def _make_execute_model(original):
@@ -68,9 +103,10 @@ def _make_execute_model(original):
     return execute_model
 
 
-def _make_sample_tokens(original):
+def _make_sample_tokens(original, ship=_ship_routed_experts):
     """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
-    attaches the step's narrow routing to the sync output, or wraps the async one."""
+    attaches the step's narrow routing to the sync output (with ``ship``), or wraps
+    the async one."""
 
     def sample_tokens(self, grammar_output):
         state = self.execute_model_state
@@ -82,9 +118,9 @@ def _make_sample_tokens(original):
         if pending is None:
             return output
         if isinstance(output, AsyncModelRunnerOutput):
-            return AsyncOutputWithRouting(output, pending)
+            return AsyncOutputWithRouting(output, pending, ship)
         if isinstance(output, ModelRunnerOutput):
-            output.routed_experts = as_vllm_lists(pending)
+            ship(output, pending)
         return output
 
     return sample_tokens
@@ -101,4 +137,19 @@ def v1_runner_patches() -> list[Patch]:
         Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
               ("self.execute_model_state = None", "if self.routed_experts_initialized:"),
               _make_sample_tokens),
+    ]
+
+
+def v1_runner_connector_patches() -> list[Patch]:
+    """The V1 runner's patches for vLLM 0.31-0.32, each verified against the
+    installed vLLM."""
+    return [
+        Patch(RUNNER, "GPUModelRunner.initialize_kv_cache", ("self", "kv_cache_config", "is_profiling", "..."),
+              ("self.kv_cache_config = kv_cache_config",), _make_initialize_kv_cache),
+        Patch(RUNNER, "GPUModelRunner.execute_model", ("self", "scheduler_output", "intermediate_tensors"),
+              ("self.execute_model_state = ExecuteModelState(",), _make_execute_model),
+        Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+              ("self.execute_model_state = None", "slot_mappings,\n        ) = self.execute_model_state"),
+              lambda original: _make_sample_tokens(original, _ship_aux_output)),
+        Patch("vllm.v1.outputs", "ModelRunnerOutput", None, ("aux_output_connector_output",), None),
     ]

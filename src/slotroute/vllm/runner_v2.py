@@ -71,7 +71,7 @@ class StepCapture:
     """
 
     def __init__(self, runner) -> None:
-        self.routing = WorkerRouting(runner)
+        self.routing = WorkerRouting.of_runner(runner)
 
     def begin_step(self, num_tokens: int) -> None:
         self.routing.begin_step(num_tokens)

@@ -54,6 +54,31 @@ def routing_spec(vllm_config) -> RoutingSpec:
     )
 
 
+def attention_gid(kv_cache_config) -> int:
+    """The KV cache group whose slots key routing: the first full-attention group, as
+    vLLM 0.28-0.30's ``get_routed_experts_attn_gid`` picks it (0.31 dropped that
+    function; ``is_full_attention_spec`` is in ``vllm/v1/kv_cache_interface.py`` from
+    0.29 on, 0.28 tests the class).
+
+    Raises
+    ------
+    ValueError
+        If no group is full attention.
+    """
+    try:
+        from vllm.v1.kv_cache_interface import is_full_attention_spec
+    except ImportError:  # vLLM 0.28
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        def is_full_attention_spec(spec) -> bool:
+            return isinstance(spec, FullAttentionSpec)
+
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        if is_full_attention_spec(group.kv_cache_spec):
+            return gid
+    raise ValueError("slotroute keys routing by the slots of a full-attention KV cache group; this model has none")
+
+
 class SchedulerRouting:
     """The scheduler's routed-experts manager: vLLM's interface over a slotroute
     :class:`~slotroute.store.RoutedExpertsManager` sized to the whole KV block pool.
@@ -92,9 +117,7 @@ class SchedulerRouting:
     def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
         """Build it as vLLM builds its own manager: the full-attention group's block
         size, the whole block pool, the spec of :func:`routing_spec`."""
-        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import get_routed_experts_attn_gid
-
-        attn_gid = get_routed_experts_attn_gid(kv_cache_config)
+        attn_gid = attention_gid(kv_cache_config)
         block_size = kv_cache_config.kv_cache_groups[attn_gid].kv_cache_spec.block_size
         store = RoutedExpertsManager(
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
@@ -133,9 +156,16 @@ class SchedulerRouting:
         try:
             return self.store.get(block_ids, num_tokens, token_start)
         except MissingRoutingError as error:
-            marker = np.empty((0, *self.store.spec.token_shape), dtype=self.store.spec.storage_dtype)
-            self._missing.append((marker, error))
-            return marker
+            return self.missing(error)
+
+    def missing(self, error) -> np.ndarray:
+        """Record ``error`` (a :class:`MissingRoutingError` or its message) for a read
+        that failed; the empty marker returned stands for the read's rows."""
+        if not isinstance(error, MissingRoutingError):
+            error = MissingRoutingError(str(error))
+        marker = np.empty((0, *self.store.spec.token_shape), dtype=self.store.spec.storage_dtype)
+        self._missing.append((marker, error))
+        return marker
 
     # -- step ordering (NOTE 1) ---------------------------------------------------
 

@@ -21,18 +21,16 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
     RoutedExpertsCaptureSource,
     bind_routed_experts_capturer,
-    get_routed_experts_attn_gid,
 )
-from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
 from slotroute.capture import NOT_CAPTURED, BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
-from slotroute.vllm.scheduler import routing_spec
+from slotroute.vllm.scheduler import attention_gid, routing_spec
+from slotroute.wire import RoutedExpertsLists
 
-__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture"]
+__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"]
 
 logger = logging.getLogger(LOGGER_NAME)
-
 
 
 def moe_layer_ids(model: torch.nn.Module) -> set[int]:
@@ -63,9 +61,12 @@ class WorkerRouting:
 
     Parameters
     ----------
-    runner
-        A vLLM model runner (V1 ``GPUModelRunner`` or ``CPUModelRunner``, V2
-        ``GPUModelRunner``) after its KV cache exists.
+    config, kv_cache_config
+        The engine's ``VllmConfig`` and its resolved ``KVCacheConfig``.
+    model
+        The model whose MoE routers are bound.
+    device
+        The device the model runs on.
 
     Raises
     ------
@@ -74,11 +75,10 @@ class WorkerRouting:
         model is compiled (NOTE 2).
     """
 
-    def __init__(self, runner) -> None:
-        config = runner.vllm_config
+    def __init__(self, config, kv_cache_config, model: torch.nn.Module, device: torch.device) -> None:
         spec = routing_spec(config)
         eager = config.model_config.enforce_eager or int(config.compilation_config.mode) == 0
-        if runner.device.type == "cpu" and not eager:
+        if device.type == "cpu" and not eager:
             # NOTE 2: vLLM's compiled CPU model never calls the routers' capture hooks
             # (vLLM's own path then returns zeros); only an eager one does.
             raise ValueError(
@@ -89,16 +89,15 @@ class WorkerRouting:
         self.dp_rank = config.parallel_config.data_parallel_rank
         group = get_tp_group().device_group if self.tp_size > 1 else None
         self.capturer = RoutedExpertsCapturer(
-            spec, config.scheduler_config.max_num_batched_tokens, runner.device, tp_group=group
+            spec, config.scheduler_config.max_num_batched_tokens, device, tp_group=group
         )
         # The full-attention KV cache group: its slots key the scheduler's store.
-        self.attn_gid = get_routed_experts_attn_gid(runner.kv_cache_config)
+        self.attn_gid = attention_gid(kv_cache_config)
         # Every layer of the group shares the group's slot mapping; any one names it.
-        self.attn_layer = runner.kv_cache_config.kv_cache_groups[self.attn_gid].layer_names[0]
+        self.attn_layer = kv_cache_config.kv_cache_groups[self.attn_gid].layer_names[0]
         self._single_rank = BatchLayout(tp_size=self.tp_size)
         self._dp_key: object = None
         self._dp_layout = self._single_rank
-        model = runner.get_model()
         bind_routed_experts_capturer(model, self)
         moe = moe_layer_ids(model)
         dense = [layer for layer in range(spec.num_layers) if layer not in moe]
@@ -111,6 +110,12 @@ class WorkerRouting:
             "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
         )
 
+    @classmethod
+    def of_runner(cls, runner) -> WorkerRouting:
+        """Bound to a vLLM model runner (V1 ``GPUModelRunner`` or ``CPUModelRunner``,
+        V2 ``GPUModelRunner``) after its KV cache exists."""
+        return cls(runner.vllm_config, runner.kv_cache_config, runner.get_model(), runner.device)
+
     def capture(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """The callback vLLM's routers call with one layer's ``topk_ids``.
 
@@ -119,8 +124,7 @@ class WorkerRouting:
         IndexError, ValueError
             As ``RoutedExpertsCapturer.capture``.
         """
-        # Bounded by one copy launch (a numpy assignment on CPU); with DP, also by
-        # reading the token counts.
+        # Bounded by one copy launch; with DP, also by reading the token counts.
         dp = get_forward_context().dp_metadata
         layout = self._single_rank if dp is None else self._layout_for(dp)
         rows = self.capturer.capture(layer_id, topk_ids, layout=layout)
@@ -193,7 +197,7 @@ class WorkerRouting:
             return self.capturer.snapshot(num_tokens, slots[:num_tokens])
         error = incomplete_capture(self._moe_layers, self._rows_captured, num_tokens)
         if error is not None:
-            return PendingSnapshot(self.capturer.spec, num_tokens, error=error)
+            return PendingSnapshot(self.capturer.spec, num_tokens, error=error, failed_slots=slots.numpy()[:num_tokens].copy())
         # A numpy slice of the CPU slot mapping, not a torch slice: cheaper in a step.
         return self.capturer.snapshot(num_tokens, slots.numpy()[:num_tokens])
 
@@ -207,14 +211,14 @@ def incomplete_capture(moe_layers: frozenset[int], rows_captured: dict[int, int]
     short = sorted(layer for layer in moe_layers if rows_captured.get(layer, 0) < num_tokens)
     if not short:  # only a layer outside moe_layers wrote fewer rows
         return None
+    unwritten = ", ".join(f"layer {layer}: tokens {rows_captured.get(layer, 0)}-{num_tokens - 1}" for layer in short)
     return ValueError(
         f"routing of a step of {num_tokens} tokens is incomplete: MoE layer(s) {short} wrote "
-        f"fewer than {num_tokens} rows in this step (rows written: "
-        f"{ {layer: rows_captured.get(layer, 0) for layer in short} })"
+        f"fewer than {num_tokens} rows in this step (not written: {unwritten})"
     )
 
 
-def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
+def as_vllm_lists(pending: PendingSnapshot):
     """The snapshot's result in vLLM's own type (narrow ``routing_data``), or ``None``
     on TP ranks other than 0.
 
@@ -224,9 +228,30 @@ def as_vllm_lists(pending: PendingSnapshot) -> VllmRoutedExpertsLists | None:
         From ``PendingSnapshot.arrays``: an expert id out of range, or a MoE layer that
         captured nothing in this step.
     """
+    from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists  # vLLM 0.28-0.30
+
     arrays = pending.arrays()
     if arrays is None:
         return None
     return VllmRoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
+
+
+def step_output(pending: PendingSnapshot):
+    """What a worker ships for one step on vLLM 0.31+ (``ModelRunnerOutput.
+    aux_output_connector_output``): the step's narrow rows and slots as slotroute's
+    :class:`~slotroute.wire.RoutedExpertsLists`, ``None`` on TP ranks other than 0, or,
+    if the step failed its check, a :class:`~slotroute.vllm.connector.StepFailure`
+    naming what the check found, so that the requests of the step fail alone. The
+    worker logs the failure."""
+    from slotroute.vllm.connector import StepFailure
+
+    try:
+        arrays = pending.arrays()
+    except ValueError as error:
+        logger.error("slotroute: %s", error)
+        return StepFailure(str(error), pending.failed_slots())
+    if arrays is None:
+        return None
+    return RoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
 
 

@@ -1,0 +1,284 @@
+"""Scheduler side on vLLM 0.31-0.32: slotroute in the place of vLLM's aux-output
+connector.
+
+vLLM 0.31 moved routed experts onto an "aux output connector"
+(``vllm/distributed/aux_output_connector/``): the scheduler builds per-step metadata
+(``build_connector_meta``), hands each request that emits output its new rows
+(``take_output``, whose result becomes ``EngineCoreOutput.routed_experts``, a chunk the
+output processor concatenates) and reports finished or preempted requests
+(``request_finished``). The rows themselves live on TP rank 0's worker, keyed by
+prefix-cache block hash, in an arena with LRU eviction.
+
+slotroute keeps its own design behind that interface: the worker ships each step's
+checked narrow rows with their KV slots in ``ModelRunnerOutput.
+aux_output_connector_output``, :func:`_make_update_from_output` stores them in the
+scheduler's slot store before vLLM reads any output, and :class:`ConnectorRouting`'s
+``take_output`` reads a request's new rows back from the slots of its KV blocks.
+Routing lives exactly as long as its KV block (NOTE 1 of
+:class:`~slotroute.vllm.scheduler.SchedulerRouting`), so it needs neither prefix
+caching nor the V2 runner, and no cache hit is ever refused for want of routing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from slotroute.vllm import LOGGER_NAME
+from slotroute.vllm.patches import Patch
+from slotroute.vllm.scheduler import SchedulerRouting, _make_get_new_blocks, _WATCHER_ATTR
+from slotroute.wire import RoutedExpertsLists
+
+__all__ = ["ConnectorRouting", "StepFailure", "StepMeta", "connector_patches"]
+
+logger = logging.getLogger(LOGGER_NAME)
+
+SCHEDULER = "vllm.v1.core.sched.scheduler"
+
+
+@dataclass(frozen=True, slots=True)
+class StepMeta:
+    """What the scheduler tells the workers about one step, in the place of vLLM's
+    ``AuxOutputConnectorMetadata``: the number of tokens it forwards."""
+
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailure:
+    """A step whose routing failed the worker's checks, shipped in the place of its rows:
+    the worker's error and the KV slots the step wrote."""
+
+    error: str
+    slot_mapping: np.ndarray
+
+
+def first_row(request) -> int:
+    """The first row a request returns when it is scheduled now: its
+    ``routed_experts_prompt_start`` (at most the prompt), or, for one that already
+    produced tokens (resumed after preemption), the row after the last one emitted."""
+    start = min(request.sampling_params.routed_experts_prompt_start, request.num_prompt_tokens)
+    if request.num_output_tokens:
+        start = max(start, request.num_tokens - 1)
+    return max(start, 0)
+
+
+class ConnectorRouting(SchedulerRouting):
+    """vLLM 0.31-0.32's scheduler connector interface over slotroute's slot store.
+
+    Invariant: each request's rows are returned once, in order, from
+    ``first_row(request)`` to the token before its last sampled one; a row whose
+    routing is not stored for the request's token fails the request
+    (:meth:`~slotroute.vllm.scheduler.SchedulerRouting.finish_missing`), never
+    returns other data.
+
+    NOTE 1: a request preempted with a step in flight (async scheduling) has no blocks
+    when that step's output arrives, and may even finish in it. Its rows are still in
+    the slots of the blocks it held: those are invalidated only when the output of the
+    step that hands them out again arrives, which is later. So preemption parks the
+    request's block ids and keeps its cursor, and such an output reads the parked
+    blocks; the request's next schedule drops them.
+
+    Parameters
+    ----------
+    store, attn_gid
+        As :class:`~slotroute.vllm.scheduler.SchedulerRouting`.
+    coordinator
+        The scheduler's ``KVCacheCoordinator``: where a request's blocks are read.
+    """
+
+    def __init__(self, store, attn_gid: int, coordinator) -> None:
+        super().__init__(store, attn_gid)
+        self._coordinator = coordinator
+        self._block_size = store.block_size
+        # Request id -> its first row not yet returned.
+        self._cursors: dict[str, int] = {}
+        # Request id -> the block ids it held when it was preempted (NOTE 1).
+        self._parked: dict[str, list[int]] = {}
+
+    @classmethod
+    def for_scheduler(cls, scheduler) -> ConnectorRouting:
+        """Built over the scheduler's KV block pool as
+        :meth:`SchedulerRouting.for_vllm` builds its store."""
+        base = SchedulerRouting.for_vllm(scheduler.vllm_config, scheduler.kv_cache_config)
+        return cls(base.store, base.attn_gid, scheduler.kv_cache_manager.coordinator)
+
+    # -- vLLM's AuxOutputSchedulerConnector interface -----------------------------
+
+    def build_connector_meta(self, scheduler_output, requests) -> StepMeta:
+        """Seal the step just scheduled (NOTE 1 of ``SchedulerRouting``) and note where
+        each newly scheduled request's rows start. Bounded by the step's requests."""
+        self.seal_step(scheduler_output)
+        cursors = self._cursors
+        for req_id in scheduler_output.num_scheduled_tokens:
+            if req_id not in cursors:
+                cursors[req_id] = first_row(requests[req_id])
+        if self._parked:
+            for req_id in scheduler_output.num_scheduled_tokens.keys() & self._parked.keys():
+                del self._parked[req_id]
+        return StepMeta(scheduler_output.total_num_scheduled_tokens)
+
+    def take_output(self, request, output) -> np.ndarray | None:
+        """The request's rows not yet returned, up to the token before its last sampled
+        one, read from the slots of its blocks (``output``, vLLM's worker output, was
+        stored before vLLM's ``update_from_output`` ran). ``None`` if there are none yet.
+        Bounded by the rows returned: one store read over the blocks that hold them."""
+        req_id = request.request_id
+        start = self._cursors.get(req_id)
+        if start is None:
+            start = first_row(request)
+        end = request.num_tokens - 1
+        if end < start:
+            return None
+        size = self._block_size
+        first = start // size
+        blocks = self._coordinator.get_blocks(req_id)[self.attn_gid]
+        if blocks:
+            block_ids = [block.block_id for block in blocks[first : -(-end // size)]]
+        else:  # preempted with this step in flight (NOTE 1)
+            block_ids = self._parked.get(req_id, [])[first : -(-end // size)]
+        if len(block_ids) * size < end - first * size:
+            rows = self.missing(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
+        else:
+            rows = self.get(block_ids, end - first * size, start - first * size)
+        self._cursors[req_id] = end
+        return rows
+
+    def request_finished(self, request) -> None:
+        """Forget a finished request; park a preempted one's blocks (NOTE 1)."""
+        req_id = request.request_id
+        if request.is_finished():
+            self._cursors.pop(req_id, None)
+            self._parked.pop(req_id, None)
+        else:
+            blocks = self._coordinator.get_blocks(req_id)[self.attn_gid]
+            self._parked[req_id] = [block.block_id for block in blocks]
+
+    def reset(self) -> None:
+        """After a prefix-cache reset: nothing to drop. Cached blocks return to the free
+        pool and are invalidated when they are handed out again."""
+
+    # -- steps ----------------------------------------------------------------------
+
+    def take_step(self, scheduler_output, step) -> None:
+        """Store one step's worker output before vLLM reads any request's rows: the
+        step's invalidations first (NOTE 1), then its rows; a :class:`StepFailure`
+        invalidates the blocks the step wrote instead, so each request in it fails alone.
+
+        Raises
+        ------
+        ValueError, IndexError
+            As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
+        """
+        if self._pending:
+            self.before_output(scheduler_output)
+        if type(step) is RoutedExpertsLists:
+            self.store_batch(step.routing_data, step.slot_mapping)
+        elif isinstance(step, StepFailure):
+            blocks = np.unique(np.asarray(step.slot_mapping, dtype=np.int64) // self._block_size)
+            logger.error(
+                "slotroute: a step's routing failed its check; its %d requests' routing is dropped: %s",
+                len(scheduler_output.num_scheduled_tokens), step.error,
+            )
+            self.store.invalidate_blocks(blocks[(blocks >= 0) & (blocks < self.store.num_blocks)])
+
+    def after_output(self, scheduler, outputs: dict) -> None:
+        """Fail the requests whose read missed in this output; forget parked blocks of
+        requests the scheduler no longer holds (aborted while preempted)."""
+        if self._missing:
+            self.finish_missing(scheduler, outputs)
+        if self._parked and not self._parked.keys() <= scheduler.requests.keys():
+            for req_id in self._parked.keys() - scheduler.requests.keys():
+                del self._parked[req_id]
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_scheduler_init(original):
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: puts
+    :class:`ConnectorRouting` where vLLM built its ``AuxOutputSchedulerConnector``
+    and connects it to the block pool."""
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.aux_output_connector is not None:
+            routing = ConnectorRouting.for_scheduler(self)
+            self.aux_output_connector = routing
+            setattr(self.kv_cache_manager.block_pool, _WATCHER_ATTR, routing.on_new_blocks)
+
+    return __init__
+
+
+def _make_update_from_output(original):
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``:
+    stores the step's routing before vLLM's ``take_output`` calls read it, and fails
+    the requests whose read missed."""
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        routing = self.aux_output_connector
+        if not isinstance(routing, ConnectorRouting):
+            return original(self, scheduler_output, model_runner_output)
+        routing.take_step(scheduler_output, model_runner_output.aux_output_connector_output)
+        outputs = original(self, scheduler_output, model_runner_output)
+        routing.after_output(self, outputs)
+        return outputs
+
+    return update_from_output
+
+
+def _make_verify_config(original):
+    """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
+    vLLM's checks, less the two its own connector needs and slotroute does not (the V2
+    model runner, prefix caching), and any KV transfer connector refused, not only
+    vLLM's P/D ones (as vLLM 0.28-0.30 did)."""
+
+    def _verify_aux_output_compatibility(self) -> None:
+        if not self.aux_output_config.enabled:
+            return
+        refused = None
+        if self.model_config.runner_type != "generate":
+            refused = "a generate runner"
+        elif not self.model_config.is_moe:
+            refused = "a MoE model"
+        elif self.speculative_config is not None and self.speculative_config.enable_adaptive_verification:
+            refused = "no adaptive speculative verification"
+        elif self.parallel_config.pipeline_parallel_size > 1:
+            refused = "no pipeline parallelism (PP > 1)"
+        elif self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
+            refused = "no context parallelism (DCP/PCP > 1)"
+        elif self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector is not None:
+            # KV a connector loads (P/D, offloading) arrives without its routing, and these
+            # versions have no hook to recompute such hits instead.
+            refused = "no KV transfer connector: KV loaded from outside the block pool has no routing"
+        if refused is not None:
+            raise ValueError(f"--enable-return-routed-experts needs {refused}")
+
+    return _verify_aux_output_compatibility
+
+
+def connector_patches() -> list[Patch]:
+    """The scheduler-side patches of vLLM 0.31-0.32, each verified against the
+    installed vLLM."""
+    return [
+        Patch("vllm.config.vllm", "VllmConfig._verify_aux_output_compatibility", ("self",),
+              ("AuxOutput Connector requires Model Runner V2", "AuxOutput Connector requires prefix caching",
+               "pipeline_parallel_size > 1", "prefill_context_parallel_size > 1", "MooncakeConnector"),
+              _make_verify_config),
+        Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
+              ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
+        Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
+              ("manager.req_to_blocks.get(request_id)",), None),
+        Patch(SCHEDULER, "Scheduler.__init__", None,
+              ("AuxOutputSchedulerConnector()", "self.kv_cache_manager = KVCacheManager("), _make_scheduler_init),
+        Patch(SCHEDULER, "Scheduler.schedule", None,
+              ("self.aux_output_connector.build_connector_meta(",), None),
+        Patch(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
+              ("self.aux_output_connector.take_output(", "model_runner_output.aux_output_connector_output"),
+              _make_update_from_output),
+        Patch(SCHEDULER, "Scheduler._free_request", None, ("self.aux_output_connector.request_finished(request)",), None),
+        Patch(SCHEDULER, "Scheduler._preempt_request", None,
+              ("self.aux_output_connector.request_finished(request)",), None),
+    ]

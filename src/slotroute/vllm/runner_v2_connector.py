@@ -1,0 +1,133 @@
+"""The V2 model runner's adapter on vLLM 0.31-0.32: ``vllm/v1/worker/gpu/
+model_runner.py`` ``GPUModelRunner`` (the default on CUDA) with slotroute in the place
+of vLLM's ``AuxOutputWorkerConnector``.
+
+V2 builds its worker connector with ``get_aux_output_connector(model, vllm_config,
+kv_cache_config)`` once the KV cache exists and calls it in three places:
+``begin_step(metadata)`` before a real step's forward, ``prepare_output(input_batch)``
+after sampling, and, on the object that returns, ``enqueue_cpu_copy`` on the output
+copy stream and ``process_output()`` in ``AsyncOutput.get_output``, whose result
+becomes ``ModelRunnerOutput.aux_output_connector_output``. V2 has no synchronous
+output path: without async scheduling the worker calls ``get_output`` at once.
+
+slotroute puts :class:`StepConnector` there. ``begin_step`` resets the step's rows
+(so under CUDA graphs a MoE layer that wrote nothing fails the check instead of
+shipping an older step's ids), ``prepare_output`` starts slotroute's checked narrow
+snapshot with the step's slots of the full-attention group, and ``process_output``
+waits for it and returns :func:`~slotroute.vllm.worker.step_output`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slotroute.capture import PendingSnapshot
+from slotroute.vllm.connector import StepMeta
+from slotroute.vllm.patches import Patch
+from slotroute.vllm.worker import WorkerRouting, step_output
+
+__all__ = ["PendingStep", "StepConnector", "v2_runner_connector_patches"]
+
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
+
+
+class PendingStep:
+    """One step's routing on its way to the scheduler, in the place of vLLM's
+    ``PendingAuxOutput``."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self, pending: PendingSnapshot) -> None:
+        self.pending = pending
+
+    def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
+        """Nothing to enqueue: the snapshot's copy already runs on slotroute's copy
+        stream. Rejected draft tokens need no trimming: their slots are rewritten when
+        the tokens that replace them are forwarded."""
+
+    def process_output(self):
+        """Wait for the copy; what :func:`~slotroute.vllm.worker.step_output` ships."""
+        return step_output(self.pending)
+
+
+class StepConnector:
+    """What the V2 runner holds as ``aux_output_connector``: a
+    :class:`~slotroute.vllm.worker.WorkerRouting` bound to the model's routers.
+
+    Invariant: ``prepare_output`` of a step ships rows that the step's forward wrote,
+    or fails the check (``begin_step`` reset them before the forward).
+    """
+
+    def __init__(self, model: torch.nn.Module, vllm_config, kv_cache_config) -> None:
+        device = next(model.parameters()).device
+        self.routing = WorkerRouting(vllm_config, kv_cache_config, model, device)
+        self._slots: torch.Tensor | None = None
+
+    def begin_step(self, metadata) -> None:
+        if isinstance(metadata, StepMeta) and metadata.num_tokens:
+            self.routing.begin_step(metadata.num_tokens)
+
+    def stage_slots(self, slot_mappings_by_layer) -> None:
+        """Keep the slot mapping of the step about to be sampled (V2's
+        ``ExecuteModelState.slot_mappings_by_layer``) for :meth:`prepare_output`."""
+        self._slots = None if slot_mappings_by_layer is None else slot_mappings_by_layer[self.routing.attn_layer]
+
+    def prepare_output(self, input_batch) -> PendingStep | None:
+        """Start shipping the step's rows (``input_batch.num_tokens``, padding excluded)
+        with their slots; ``None`` if no slot mapping was staged. Bounded by a few
+        kernel launches."""
+        slots, self._slots = self._slots, None
+        if slots is None:
+            return None
+        return PendingStep(self.routing.snapshot_step(input_batch.num_tokens, slots))
+
+    def close(self) -> None:
+        """Nothing held beyond the capturer's buffers, which go with this object."""
+
+
+# -- patches ------------------------------------------------------------------------
+
+
+def _make_get_connector(original):
+    """Replaces ``get_aux_output_connector`` as named in
+    ``vllm/v1/worker/gpu/model_runner.py``."""
+
+    def get_aux_output_connector(model, vllm_config, kv_cache_config) -> StepConnector:
+        return StepConnector(model, vllm_config, kv_cache_config)
+
+    return get_aux_output_connector
+
+
+def _make_sample_tokens(original):
+    """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.sample_tokens``:
+    stages the step's slot mapping before vLLM calls ``prepare_output``."""
+
+    def sample_tokens(self, grammar_output):
+        state = self.execute_model_state
+        connector = self.aux_output_connector
+        if state is not None and isinstance(connector, StepConnector):
+            connector.stage_slots(state.slot_mappings_by_layer)
+        return original(self, grammar_output)
+
+    return sample_tokens
+
+
+def v2_runner_connector_patches() -> list[Patch]:
+    """The V2 runner's patches for vLLM 0.31-0.32 and the V2 code they rely on, each
+    verified against the installed vLLM."""
+    return [
+        Patch(RUNNER, "get_aux_output_connector", ("model", "vllm_config", "kv_cache_config"),
+              ("AuxOutputWorkerConnector(",), _make_get_connector),
+        Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
+              ("slot_mappings_by_layer = self.execute_model_state.slot_mappings_by_layer",
+               "self.aux_output_connector.prepare_output(input_batch)"),
+              _make_sample_tokens),
+        # Relied on, not replaced: where V2 starts a step and hands its routing over.
+        Patch(RUNNER, "GPUModelRunner.execute_model", None,
+              ("self.aux_output_connector.begin_step(", "scheduler_output.aux_output_connector_metadata"), None),
+        Patch(ASYNC_UTILS, "AsyncOutput.__init__", None, ("self.pending_aux_output.enqueue_cpu_copy(",), None),
+        Patch(ASYNC_UTILS, "AsyncOutput.get_output", ("self",),
+              ("self.model_runner_output.aux_output_connector_output = (",
+               "self.pending_aux_output.process_output()"), None),
+    ]
