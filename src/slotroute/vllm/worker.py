@@ -119,7 +119,7 @@ class WorkerRouting:
         IndexError, ValueError
             As ``RoutedExpertsCapturer.capture``.
         """
-        # Bounded by one copy launch (a numpy assignment on CPU); with DP, also by
+        # Bounded by one copy launch (a torch copy_, on CPU too); with DP, also by
         # reading the token counts.
         dp = get_forward_context().dp_metadata
         layout = self._single_rank if dp is None else self._layout_for(dp)
