@@ -27,9 +27,10 @@ RUN = 32
 
 
 @contextlib.contextmanager
-def _threshold(name: str, rows: int):
+def _replaced(name: str, value):
+    """``slotroute.store.<name>`` is ``value`` inside the context."""
     saved = getattr(store_module, name)
-    setattr(store_module, name, rows)
+    setattr(store_module, name, value)
     try:
         yield
     finally:
@@ -39,13 +40,13 @@ def _threshold(name: str, rows: int):
 def streamed_results():
     """get() writes every result with non-temporal stores, as it does results of a
     quarter of the last-level cache or more."""
-    return _threshold("STREAM_RESULTS_FROM", 0)
+    return _replaced("STREAM_RESULTS_FROM", 0)
 
 
 def numpy_only():
     """Stores built inside this context do their work in numpy, as where the C loops
     are not built."""
-    return _threshold("_native", None)
+    return _replaced("_native", None)
 
 
 @pytest.fixture(autouse=True, params=["C loops", "numpy"])
@@ -144,9 +145,9 @@ class StoreMachine(RuleBasedStateMachine):
         stream=st.booleans(),
     )
     def setup(self, spec, num_blocks, block_size, stream):
-        self._thresholds = contextlib.ExitStack()
+        self._contexts = contextlib.ExitStack()
         if stream:
-            self._thresholds.enter_context(streamed_results())
+            self._contexts.enter_context(streamed_results())
         self.mgr = RoutedExpertsManager(spec, num_blocks, block_size)
         self.spec = spec
         self.ref: dict[int, np.ndarray] = {}
@@ -221,8 +222,8 @@ class StoreMachine(RuleBasedStateMachine):
         before.assert_unchanged(self.mgr)
 
     def teardown(self):
-        if hasattr(self, "_thresholds"):
-            self._thresholds.close()
+        if hasattr(self, "_contexts"):
+            self._contexts.close()
 
     @invariant()
     def slots_written_counts_reference(self):
