@@ -17,8 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from slotroute import bench
 from slotroute import store as current
+from slotroute.tools import bench
 
 
 def load_store(rev: str):

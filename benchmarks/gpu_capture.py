@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": props.name,
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "triton": getattr(capture.triton, "__version__", None),
+        "triton": getattr(getattr(capture._fused_kernel(), "triton", None), "__version__", None),
         "spec": {"num_layers": SPEC.num_layers, "top_k": SPEC.top_k, "num_experts": SPEC.num_experts},
     }
     print(f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, triton {meta['triton']}", flush=True)
@@ -180,14 +180,14 @@ def main(argv: list[str] | None = None) -> int:
         row.update(baselines(cap.get_device_buffer(), n, args.repeat))
         fused = snapshot_costs(cap, n, slots, args.repeat)
         row.update({f"snapshot_{k}": v for k, v in fused.items()})
-        real_triton = capture.triton
-        capture.triton = None
+        fused_kernel = capture._fused_kernel
+        capture._fused_kernel = lambda: None
         try:
             fallback = snapshot_costs(cap, n, slots, args.repeat // 2)
             row["snapshot_torch_fallback_device_us"] = fallback["device_us"]
             row["snapshot_torch_fallback_host_call_us"] = fallback["host_call_us"]
         finally:
-            capture.triton = real_triton
+            capture._fused_kernel = fused_kernel
         lists = cap.snapshot(n, slots).result()
         assert np.array_equal(lists.routing_data, ids.cpu().numpy().astype(np.uint8))
         assert np.array_equal(lists.slot_mapping, slots.cpu().numpy())

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from slotroute import bench
+from slotroute.tools import bench
 
 PRESETS = list(bench.PRESETS)
 

@@ -67,7 +67,7 @@ CONFIGS = {
 
 
 def workload(args, seed: int = 0):
-    from slotroute.demo import DemoRequest
+    from slotroute.tools.engine import DemoRequest
 
     rng = np.random.default_rng(seed)
     return [
@@ -77,8 +77,8 @@ def workload(args, seed: int = 0):
 
 
 def job(args, routing: bool):
-    from slotroute.demo import EngineJob
-    from slotroute.tiny_model import default_model_dir
+    from slotroute.tools.engine import EngineJob
+    from slotroute.tools.tiny_model import default_model_dir
 
     per_request = -(-(args.prompt + args.gen) // 32)
     return EngineJob(
@@ -211,7 +211,7 @@ def memcpy_seconds(nbytes: int, repeats: int = 2000) -> float:
 
 def child(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from slotroute.vllm.engine import drive, start_engine
+    from slotroute.tools.engine import drive, start_engine
 
     timed = instrument(args.child, breakdown=not args.totals_only)
     llm, engine_start_s = start_engine(job(args, routing=args.child != "off"))
@@ -363,7 +363,7 @@ def report(results: dict[str, list[dict]], args) -> None:
 
 
 def shape_text(shape: str) -> str:
-    from slotroute.tiny_model import tiny_moe_params
+    from slotroute.tools.tiny_model import tiny_moe_params
 
     params = tiny_moe_params(**SHAPES[shape])
     return f"{params['num_layers']} layers, top-{params['top_k']} of {params['num_experts']}"
@@ -397,7 +397,7 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    from slotroute.tiny_model import default_model_dir
+    from slotroute.tools.tiny_model import default_model_dir
 
     default_model_dir(**SHAPES[args.shape])  # written once, before the children race for it
     results: dict[str, list[dict]] = {c: [] for c in CONFIGS}

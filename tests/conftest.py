@@ -58,7 +58,7 @@ def completion(output) -> Completion:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
-    from slotroute.tiny_model import write_tiny_moe
+    from slotroute.tools.tiny_model import write_tiny_moe
 
     return str(write_tiny_moe(tmp_path_factory.mktemp("tiny-moe"), **TINY))
 

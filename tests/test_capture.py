@@ -411,10 +411,31 @@ def test_check_and_narrow_casts_and_counts_out_of_range_ids():
     np.testing.assert_array_equal(dst[src >= 0].numpy(), src[src >= 0].numpy().astype(np.uint8))
 
 
+CPU_RUN = """
+import sys
+import numpy as np, torch
+from slotroute.capture import RoutedExpertsCapturer, check_and_narrow
+from slotroute.spec import RoutingSpec
+cap = RoutedExpertsCapturer(RoutingSpec(num_layers=2, top_k=2, num_experts=16), max_num_tokens=4, device="cpu")
+for layer in range(2):
+    cap.capture(layer, torch.full((4, 2), 3, dtype=torch.int32))
+assert cap.snapshot(4, np.arange(4)).result().routing_data.shape == (4, 2, 2)
+check_and_narrow(torch.zeros(4, dtype=torch.int32), torch.empty(4, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32), 16)
+print(sorted(name for name in sys.modules if name.split(".")[0] == "triton"))
+"""
+
+
+def test_a_cpu_capture_and_snapshot_never_import_triton():
+    """Triton is imported by the first CUDA snapshot only (in a fresh process: other
+    tests import it)."""
+    out = subprocess.run([sys.executable, "-c", CPU_RUN], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+
+
 FUSED_KERNEL_CHECK = """
 import numpy as np, torch
-from slotroute import capture
-assert capture.triton is not None
+from slotroute import _capture_kernel
 rng = np.random.default_rng(7)
 for num_experts, dtype in ((256, torch.uint8), (300, torch.int16)):
     ids = rng.integers(0, num_experts, size=10_000, dtype=np.int32)
@@ -422,8 +443,7 @@ for num_experts, dtype in ((256, torch.uint8), (300, torch.int16)):
     src = torch.from_numpy(ids)
     dst = torch.empty(src.shape, dtype=dtype)
     bad = torch.full((1,), 2, dtype=torch.int32)
-    grid = (capture.triton.cdiv(src.numel(), 4096),)
-    capture._check_and_narrow_kernel[grid](src, dst, bad, src.numel(), num_experts, BLOCK=4096)
+    _capture_kernel.check_and_narrow(src, dst, bad, num_experts)
     assert bad.item() == 2 + 3, bad.item()
     ok = (ids >= 0) & (ids < num_experts)
     np.testing.assert_array_equal(dst.numpy().view(np.uint8 if num_experts <= 256 else np.uint16)[ok], ids[ok])

@@ -47,7 +47,7 @@ def test_bench_help_does_not_import_torch_or_vllm():
 def test_bench_check_exits_1_only_when_a_target_is_missed(monkeypatch, met, check, status):
     import argparse
 
-    from slotroute import bench
+    from slotroute.tools import bench
 
     row = bench.Row("store", 1e-6, 384, 1e-6, 2e-6, ">= 2x baseline", met)
     monkeypatch.setattr(bench, "bench_preset", lambda spec, rounds, progress: [row])

@@ -13,18 +13,9 @@ import sys
 import numpy as np
 import pytest
 
-from slotroute.demo import (
-    EngineJob,
-    EngineRun,
-    RequestResult,
-    build_workload,
-    check_request,
-    decode_routed_experts,
-    load_run,
-    print_report,
-    save_run,
-)
 from slotroute.spec import RoutingSpec
+from slotroute.tools.demo import build_workload, check_request, decode_routed_experts, load_run, print_report, save_run
+from slotroute.tools.engine import EngineJob, EngineRun, RequestResult
 
 SPEC = RoutingSpec(num_layers=4, top_k=4, num_experts=16)
 
@@ -265,7 +256,7 @@ def test_served_demo_decodes_routing_equal_to_the_offline_reference(served):
 
 @pytest.mark.vllm
 def test_demo_serves_a_checkpoint_given_by_path_with_dense_layers(tmp_path):
-    from slotroute.tiny_model import write_tiny_moe
+    from slotroute.tools.tiny_model import write_tiny_moe
 
     model = write_tiny_moe(tmp_path / "model", num_layers=3, dense_layers=(1,), top_k=2, seed=5)
     process, rows = run_demo(tmp_path, "--model", str(model))

@@ -25,7 +25,7 @@ from slotroute.replay import (
     select_layers,
 )
 from slotroute.spec import MissingRoutingError
-from slotroute.tiny_model import hf_config, tiny_moe_params
+from slotroute.tools.tiny_model import hf_config, tiny_moe_params
 
 ID_DTYPES = [np.uint8, np.uint16, np.int32, np.int64]
 

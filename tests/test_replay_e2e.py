@@ -21,7 +21,6 @@ import pytest
 from conftest import DENSE_LAYERS, MOE_LAYERS, TINY, prompt_tokens
 from trainers_doc import run_recipe
 
-from slotroute.demo import free_port, serve_command, stop_process_group
 from slotroute.replay import (
     check_routed_experts,
     decode_routed_experts,
@@ -29,6 +28,7 @@ from slotroute.replay import (
     router_replay_indices,
     select_layers,
 )
+from slotroute.tools.demo import free_port, serve_command, stop_process_group
 
 pytestmark = pytest.mark.vllm
 

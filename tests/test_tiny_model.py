@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from slotroute.tiny_model import default_model_dir, tiny_moe_params, write_tiny_moe
+from slotroute.tools.tiny_model import default_model_dir, tiny_moe_params, write_tiny_moe
 
 
 def load_tensors(path):

@@ -17,7 +17,7 @@ from conftest import MOE_LAYERS, TINY, prompt_tokens
 from trainers_doc import DOC, RECIPES, python_blocks, run_recipe
 
 from slotroute.spec import MissingRoutingError
-from slotroute.tiny_model import hf_config, tiny_moe_params
+from slotroute.tools.tiny_model import hf_config, tiny_moe_params
 
 CONFIG = hf_config(tiny_moe_params(**TINY))  # 4 layers, layer 1 dense, top-4 of 16
 

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from conftest import TINY, prompt_tokens
 
-from slotroute.demo import decode_routed_experts, free_port, serve_command
+from slotroute.tools.demo import decode_routed_experts, free_port, serve_command
 
 pytestmark = pytest.mark.vllm
 

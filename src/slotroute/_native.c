@@ -17,7 +17,9 @@
  * with numpy. store_rows takes the step's arrays as they come and checks their
  * layout too (C-contiguous, dtypes, shapes), so that a decode step costs one call;
  * store.py converts anything else first. store_rows writes nothing unless every
- * check passed, so a call that fails changes nothing.
+ * check passed, so a call that fails changes nothing. store.py's numpy path states
+ * the same contract in plain numpy; it is the reference these loops are tested
+ * against.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,7 +39,7 @@
 #define VECTOR_CLONES
 #endif
 
-/* Statuses, in this order in store.py's STATUSES too (a test compares them). */
+/* Statuses: store.py's STATUSES names every one, in this order (a test compares them). */
 enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 5, NOT_COVERED = 6 };
 
 /* Runs of at least this many bytes go through non-temporal stores. */
@@ -48,8 +50,7 @@ enum { OK = 0, OUT_OF_RANGE = 1, BAD_ID = 2, MISSING = 3, NOT_INT = 4, LAYOUT = 
  * of that block's stamps and its invalidation stamp. The head of a block is enough
  * to start the hardware prefetcher on the rest of it, and a small head leaves the
  * core's few miss buffers to more blocks at once. Both sizes were chosen from
- * variants timed in the same rounds on two machines (docs/benchmarks.md, "What
- * moved get"). */
+ * variants timed against each other in the same rounds on two machines. */
 #define ROWS_AHEAD 4
 #define GATHER_AHEAD (12 << 10)
 #define BLOCK_PREFETCH_BYTES (1 << 10)
@@ -169,7 +170,7 @@ static void prefetch_to_l2(const void *p, Py_ssize_t n)
         __builtin_prefetch(q, 0, 2);
 }
 
-/* The written state of a store (store.py, NOTES 1 and 4): a stamp per slot, the
+/* The written state of a store (store.py, NOTES 1 and 2): a stamp per slot, the
  * last stamp handed out before each block's invalidation, and a flag per block set
  * once each of its slots has been written since. */
 typedef struct {

@@ -25,12 +25,6 @@ try:
 except ImportError:  # a source tree whose C loops are not built: numpy takes CPU snapshots
     _native = None
 
-try:  # Triton ships with the CUDA builds of torch; without it snapshots use two torch ops.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the torch build
-    triton = None
-
 __all__ = ["BatchLayout", "PendingSnapshot", "RoutedExpertsCapturer"]
 
 # The value clear_buffer() writes: outside every spec's [0, num_experts), so a
@@ -154,22 +148,16 @@ def _locate(rows: int, layout: BatchLayout) -> tuple[int, int, bool]:
     )
 
 
-if triton is not None:
-
-    @triton.jit
-    def _check_and_narrow_kernel(src, dst, bad, numel, num_experts, BLOCK: tl.constexpr):
-        # One read of the int32 ids, one write in the storage dtype, and a count of ids
-        # outside [0, num_experts) added to *bad. Bounded by memory bandwidth.
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < numel
-        ids = tl.load(src + offsets, mask=inside, other=0)
-        tl.store(dst + offsets, ids.to(dst.dtype.element_ty), mask=inside)
-        count = tl.sum(((ids < 0) | (ids >= num_experts)).to(tl.int32), axis=0)
-        if count > 0:
-            tl.atomic_add(bad, count)
-
-
-_BLOCK = 4096
+@functools.cache
+def _fused_kernel():
+    """:mod:`slotroute._capture_kernel`, the Triton pass of :func:`check_and_narrow`,
+    imported on the first CUDA snapshot so that CPU runs never import Triton; ``None``
+    where Triton is missing (it ships with the CUDA builds of torch)."""
+    try:
+        from slotroute import _capture_kernel
+    except ImportError:  # pragma: no cover - depends on the torch build
+        return None
+    return _capture_kernel
 
 
 def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, num_experts: int) -> None:
@@ -179,10 +167,9 @@ def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, nu
     One fused pass where Triton is available, else a cast and a count in torch. Neither
     reads anything back to the host. ``src`` and ``dst`` are contiguous and the same size.
     """
-    numel = src.numel()
-    if triton is not None and src.is_cuda:
-        grid = (triton.cdiv(numel, _BLOCK),)
-        _check_and_narrow_kernel[grid](src, dst, bad, numel, num_experts, BLOCK=_BLOCK)
+    kernel = _fused_kernel() if src.is_cuda else None
+    if kernel is not None:
+        kernel.check_and_narrow(src, dst, bad, num_experts)
         return
     dst.copy_(src)
     bad += ((src < 0) | (src >= num_experts)).sum(dtype=torch.int32)

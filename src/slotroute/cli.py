@@ -10,8 +10,8 @@ import sys
 # ``run(args) -> int``; it is imported only when chosen, so ``slotroute bench`` never
 # imports torch or vLLM.
 SUBCOMMANDS = {
-    "bench": ("slotroute.bench", "benchmark store_batch, get and the wire format on model presets"),
-    "demo": ("slotroute.demo", "serve a tiny MoE with vLLM and check every request's routing"),
+    "bench": ("slotroute.tools.bench", "benchmark store_batch, get and the wire format on model presets"),
+    "demo": ("slotroute.tools.demo", "serve a tiny MoE with vLLM and check every request's routing"),
 }
 
 

@@ -30,8 +30,8 @@ def largest_unsigned(values: np.ndarray) -> int:
     """The largest element of a non-empty integer array read as unsigned, as a Python
     int: a negative value comes out larger than any valid index or id, so ``< bound``
     checks both ends in one pass. ``argmax`` is a plain loop, where ``max`` sets up
-    numpy's ufunc reduction (3x cheaper for small arrays, the same for large ones), and
-    ``item`` gives an int that compares without numpy's scalar arithmetic."""
+    numpy's ufunc reduction, and ``item`` gives an int that compares without numpy's
+    scalar arithmetic."""
     if values.dtype.kind == "i":
         values = values.view(_UNSIGNED[values.dtype.itemsize])
     return values.item(values.argmax())
@@ -72,27 +72,10 @@ def stream_results_from() -> int:
         STREAM_RESULTS_FROM = (last_level_cache_bytes() or 32 << 20) // 4
     return STREAM_RESULTS_FROM
 
-# Lists of at most this many block ids are invalidated one by one from Python: 0.1 µs
-# per id against 1.3 µs for numpy to convert a list into an index (measured hot).
+# Lists of at most this many block ids, as the scheduler frees them a step at a time,
+# are invalidated one by one from Python: converting a short list into a numpy index
+# costs more than the loop.
 FEW_BLOCKS = 8
-
-# The numpy path, where the C loops are not built.
-# Steps of at most this many rows find repeated slots with a Python set of a list
-# and share one stamp, instead of scattering a stamp per row and reading it back.
-# Measured inside a CPU engine, where every numpy call runs with cold caches between
-# two forward passes: a 16-row step in 32-33 µs instead of 50-57; at 512 rows both ways
-# cost the same there, and the read-back is cheaper in a hot loop from about 150 rows
-# (at 8192 rows the set alone costs 250 µs).
-FEW_ROWS = 64
-# Runs of consecutive slots copied as slices: a slice costs about a microsecond of
-# Python overhead, a scattered row a few tens of nanoseconds, so only runs of at
-# least MIN_RUN rows are worth it, and at most MAX_RUNS of them per batch.
-MIN_RUN = 32
-MAX_RUNS = 64
-# Below this many rows a batch is scattered whole: finding runs costs about ten
-# numpy calls, and slices beat the scatter only when the destination is in cache
-# (measured: 175 vs 210 µs at 8192 rows cache-hot, equal when writes go to DRAM).
-RUNS_FROM = 4096
 
 
 class StoreStats(msgspec.Struct, frozen=True):
@@ -145,36 +128,32 @@ class RoutedExpertsManager:
         self._buffer = np.zeros((self.num_slots, layers, top_k), dtype=spec.storage_dtype)
         self._by_block = self._buffer.reshape(self.num_blocks, self.block_size, layers, top_k)
         # NOTE 1: written state is kept as stamps. Every stored row gets a stamp
-        # (1, 2, 3, ... over the store's life) in its slot; invalidating a block
+        # (increasing over the store's life) in its slot; invalidating a block
         # records the last stamp handed out so far. A slot is written iff its stamp
-        # is newer than its block's invalidation. One scatter per batch maintains
-        # it, and reading the stamps back detects repeated slots (NOTE 2).
-        # Both arrays are demand-paged like the buffer.
+        # is newer than its block's invalidation, so one scatter per batch maintains
+        # it and invalidation is one write per block. Both arrays are demand-paged
+        # like the buffer.
         self._stamp = np.zeros(self.num_slots, dtype=np.int64)
         self._stamp_by_block = self._stamp.reshape(self.num_blocks, self.block_size)
         self._invalidated_at = np.zeros(self.num_blocks, dtype=np.int64)
         self._last_stamp = 0
-        # NOTE 4: a block is flagged full when the C store writes its last slot and
+        # NOTE 2: a block is flagged full when the C store writes its last slot and
         # finds every slot of it stamped since its invalidation; invalidating the
         # block clears the flag. Stamps only grow, so a flagged block stays wholly
         # written until then, and get reads one byte for it instead of a stamp per
-        # slot, a second scattered stream beside the rows (6-17% of a long get).
+        # slot, a second scattered stream beside the rows.
         # The flag may be missing where slots were written out of order (or by the
         # numpy path); get then reads the stamps, so it only ever saves work.
         self._full = np.zeros(self.num_blocks, dtype=np.uint8)
         # The arrays the C loops take, in their order.
         self._arrays = (self._buffer, self._stamp, self._invalidated_at, self._full)
-        # The C loops where they are built (NOTE 3), else numpy.
+        # The C loops where they are built (NOTE 3), else the plain numpy path, the
+        # reference the C loops are tested against.
         self._native = _native
         # Ids of dtypes whose whole range is valid need no range check.
         self._check_ids_of = {
             dt: np.iinfo(dt).max >= spec.num_experts or dt.kind == "i" for dt in INPUT_DTYPES
         }
-        # Rows as single items of raw bytes: numpy scatters one item with one copy,
-        # where it would loop over the ids of a typed row (measured: 512 rows of 16 B
-        # in 1.1 µs instead of 6.2).
-        self._row_dtype = np.dtype((np.void, spec.bytes_per_token))
-        self._rows = np.frombuffer(self._buffer, self._row_dtype)
         view = self._buffer.view()
         view.flags.writeable = False
         self._readonly_view = view
@@ -192,10 +171,10 @@ class RoutedExpertsManager:
         """Write one step's routing: row ``i`` of ``data`` into slot ``slot_mapping[i]``.
 
         Slots < 0 are padding: their rows are skipped and not checked. If a slot
-        repeats, the last row that names it wins. Bounded by memory bandwidth for
-        large steps (one pass reads every id, then runs of consecutive slots are
-        streamed to memory), by the latency of scattered writes for decode tokens, and
-        by Python call overhead for decode steps (one C call).
+        repeats, the last row that names it wins. In the C loops, bounded by memory
+        bandwidth for large steps (one pass reads every id, then runs of consecutive
+        slots are streamed to memory), by the latency of scattered writes for decode
+        tokens, and by Python call overhead for decode steps (one C call).
 
         Parameters
         ----------
@@ -217,36 +196,21 @@ class RoutedExpertsManager:
         if type(data) is np.ndarray and np.may_share_memory(data, self._buffer):
             data = data.copy()  # rows of this store, e.g. copied between blocks: read before any write
         native = self._native
-        if native is not None:
-            # The C loop takes arrays as the worker ships them, C-contiguous with int64
-            # slots, checking their layout itself: one call per decode step. Anything
-            # else, a failed check included, takes the checks below.
-            if type(data) is np.ndarray and type(slot_mapping) is np.ndarray:
-                status = native.store_rows(
-                    *self._arrays, data, slot_mapping, *self._token_shape, self.spec.num_experts,
-                    self._last_stamp + 1,
-                )
-                if status == _OK:
-                    self._last_stamp += data.shape[0]
-                    return
-            self._store_native(*self._checked_shapes(data, slot_mapping))
+        if native is None:
+            self._store_numpy(*self._checked_shapes(data, slot_mapping))
             return
-        data, slots = self._checked_shapes(data, slot_mapping)
-        if slots.shape[0] <= FEW_ROWS:  # a decode-sized step: the fewer numpy calls the better
-            values = slots.tolist()
-            if values and (min(values) < 0 or max(values) >= self.num_slots):
-                data, slots = self._checked_slots(data, slots)
-                values = slots.tolist()
-            if values:
-                self._check_ids(data, slots)
-                self._store_few(data, slots, values)
-            return
-        if largest_unsigned(slots) >= self.num_slots:  # padding (< 0) or beyond the store
-            data, slots = self._checked_slots(data, slots)
-            if slots.shape[0] == 0:
+        # The C loop takes arrays as the worker ships them, C-contiguous with int64
+        # slots, checking their layout itself: one call per decode step. Anything
+        # else, a failed check included, takes the checks of _store_native.
+        if type(data) is np.ndarray and type(slot_mapping) is np.ndarray:
+            status = native.store_rows(
+                *self._arrays, data, slot_mapping, *self._token_shape, self.spec.num_experts,
+                self._last_stamp + 1,
+            )
+            if status == _OK:
+                self._last_stamp += data.shape[0]
                 return
-        self._check_ids(data, slots)
-        self._store_many(data, slots)
+        self._store_native(*self._checked_shapes(data, slot_mapping))
 
     def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
@@ -356,30 +320,21 @@ class RoutedExpertsManager:
 
     def _checked_slots(self, data, slots) -> tuple[np.ndarray, np.ndarray]:
         """Raise for a slot >= num_slots; drop padding rows (slots < 0)."""
-        low, top = np.minimum.reduce(slots), np.maximum.reduce(slots)
-        if top >= self.num_slots:
-            row = int(np.argmax(slots >= self.num_slots))
+        beyond = slots >= self.num_slots
+        if beyond.any():
+            row = int(beyond.argmax())
             raise IndexError(
                 f"slot {int(slots[row])} (row {row}) is out of range: the store has "
                 f"{self.num_slots} slots ({self.num_blocks} blocks of {self.block_size})"
             )
-        if low < 0:
-            data, slots = _drop_padding(data, slots)
-        return data, slots
+        keep = slots >= 0
+        return data[keep], slots[keep]
 
     def _check_ids(self, data: np.ndarray, slots: np.ndarray) -> None:
         """Raise unless every id of ``data`` is in ``[0, num_experts)``: one pass."""
         if self._check_ids_of[data.dtype] and data.size:
             if largest_unsigned(data) >= self.spec.num_experts:
                 raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
-
-    def _source_rows(self, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(source, destination)`` for copying ``data``'s rows into the buffer: raw
-        rows where ``data`` is C-contiguous in the storage dtype (no copy), else typed
-        rows, which numpy narrows as it copies."""
-        if data.dtype == self._buffer.dtype and data.flags.c_contiguous:
-            return np.frombuffer(data, self._row_dtype), self._rows
-        return data, self._buffer
 
     def _checked_blocks(self, block_ids) -> np.ndarray:
         blocks = block_ids if isinstance(block_ids, np.ndarray) else np.asarray(block_ids)
@@ -447,105 +402,33 @@ class RoutedExpertsManager:
             raise ValueError(_bad_expert_message(data, slots, self.spec.num_experts))
         self._last_stamp += slots.shape[0]
 
-    # -- the numpy path (arguments already valid) ------------------------------------
+    # -- the numpy path, where the C loops are not built ----------------------------
+
+    def _store_numpy(self, data: np.ndarray, slots: np.ndarray) -> None:
+        """store_batch in plain numpy, the reference the C loops are tested against:
+        check every slot, then every id of the non-padding rows, then write the last
+        row of each slot and stamp the slots. The batch shares one stamp: NOTE 1 needs
+        stamps newer than any invalidation, not distinct ones."""
+        data, slots = self._checked_slots(data, slots)
+        self._check_ids(data, slots)
+        if slots.shape[0] == 0:
+            return
+        data, slots = _last_write_per_slot(data, slots)  # numpy leaves the winner of a repeated index open
+        self._last_stamp += 1
+        self._stamp[slots] = self._last_stamp
+        self._buffer[slots] = data
 
     def _gather(self, blocks: np.ndarray, num_tokens: int, token_start: int) -> np.ndarray:
+        """get in plain numpy: the stamps of the range, then its rows, block by block."""
         first = token_start // self.block_size
         used = blocks[first : -(-num_tokens // self.block_size)]
         lo = token_start - first * self.block_size
         hi = num_tokens - first * self.block_size
-        # Block ids are checked: mode="clip" skips numpy's per-index bounds check.
-        stamps = np.take(self._stamp_by_block, used, axis=0, mode="clip")
-        written = stamps > np.take(self._invalidated_at, used, mode="clip")[:, None]
+        written = self._stamp_by_block[used] > self._invalidated_at[used][:, None]
         written = written.reshape(-1)[lo:hi]
-        # argmin finds the first unwritten token: a plain loop, no ufunc set-up.
-        if written.size and not written[written.argmin()]:
+        if not written.all():
             raise MissingRoutingError(_missing_message(written, token_start, num_tokens))
-        out = np.take(self._by_block, used, axis=0, mode="clip")
-        return out.reshape(-1, *self._token_shape)[lo:hi]
-
-    def _store_few(self, data: np.ndarray, slots: np.ndarray, values: list[int]) -> None:
-        """A decode-sized step of valid rows: bounded by the number of numpy calls
-        (the list of slots, the id check, the stamp and the copy), so slots are
-        checked in Python and the batch shares one stamp."""
-        if len(set(values)) < len(values):
-            data, slots = _last_write_per_slot(data, slots)
-        self._last_stamp += 1
-        self._stamp[slots] = self._last_stamp
-        src, out = self._source_rows(data)
-        out[slots] = src
-
-    def _store_many(self, data: np.ndarray, slots: np.ndarray) -> None:
-        """A prefill-sized step of valid rows: bounded by memory bandwidth (runs of
-        consecutive slots are copied as slices) and by the latency of the scattered
-        rows."""
-        if slots.dtype.kind == "u":  # in range; signed so slot differences cannot wrap
-            slots = slots.astype(np.int64)
-        n = slots.shape[0]
-        runs, scattered = _segments(slots)
-        first = self._last_stamp + 1
-        self._last_stamp += n
-        stamps = np.arange(first, first + n, dtype=np.int64)
-        # NOTE 2: last write wins. Runs are copied in row order, so where two runs
-        # overlap the later one wins. Any other repeated slot is named by a
-        # scattered row and a row stamped after it (runs are stamped after every
-        # scattered row; numpy keeps one value of an index repeated within a
-        # scatter): that scattered row reads back a stamp not its own, and the
-        # batch is reduced to the last row per slot. Only the scattered rows are
-        # read back. All stamps of this batch are newer than any invalidation, so
-        # the written state is right whichever row a repeated slot kept.
-        for rows, dst in scattered + runs:
-            self._stamp[dst] = stamps[rows]
-        # Compared as bytes: two small copies, none of numpy's ufunc set-up, which is
-        # what costs most in an engine step.
-        if any(self._stamp[dst].tobytes() != stamps[rows].tobytes() for rows, dst in scattered):
-            data, slots = _last_write_per_slot(data, slots)
-            runs, scattered = _segments(slots)
-        src, out = self._source_rows(data)
-        for rows, dst in runs + scattered:
-            out[dst] = src[rows]
-
-
-def _contiguous_runs(slots: np.ndarray) -> list[tuple[int, int]]:
-    """Row ranges ``[start, stop)`` of at least MIN_RUN rows whose slots step by +1
-    (a prefill over contiguous blocks): they can be copied as one slice.
-
-    At most MAX_RUNS of them, the first ones in row order; rows outside any run are
-    scattered token by token, so any subset is correct."""
-    n = slots.shape[0]
-    # Rows where the +1 stepping breaks; runs lie between consecutive breaks.
-    breaks = (slots[1:] - slots[:-1] != 1).nonzero()[0] + 1
-    bounds = np.concatenate(([0], breaks, [n]))
-    long = (bounds[1:] - bounds[:-1] >= MIN_RUN).nonzero()[0][:MAX_RUNS]
-    return list(zip(bounds[long].tolist(), bounds[long + 1].tolist()))
-
-
-def _segments(slots: np.ndarray) -> tuple[list[tuple[slice, slice]], list[tuple[slice, np.ndarray]]]:
-    """Split rows into ``(rows, destination)`` pairs that together index
-    ``dst[slots] = values`` for distinct slots: ``runs``, each a run of consecutive
-    slots as a slice (copied at memory bandwidth), and ``scattered``, the rows
-    between runs with their slots as an array. At most MAX_RUNS runs and
-    MAX_RUNS + 1 scattered pairs."""
-    found = _contiguous_runs(slots) if slots.shape[0] >= RUNS_FROM else []
-    runs, scattered = [], []
-    done = 0
-    for start, stop in found:
-        if done < start:
-            scattered.append((slice(done, start), slots[done:start]))
-        first = int(slots[start])
-        runs.append((slice(start, stop), slice(first, first + stop - start)))
-        done = stop
-    if done < slots.shape[0]:
-        scattered.append((slice(done, None), slots[done:]))
-    return runs, scattered
-
-
-def _drop_padding(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    keep = slots >= 0
-    count = int(np.count_nonzero(keep))
-    if keep[:count].all():  # padding only at the tail, as CUDA-graph padding is
-        return data[:count], slots[:count]
-    return data[keep], slots[keep]
+        return self._by_block[used].reshape(-1, *self._token_shape)[lo:hi]
 
 
 def _last_write_per_slot(data: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -124,7 +124,8 @@ class WorkerRouting:
         IndexError, ValueError
             As ``RoutedExpertsCapturer.capture``.
         """
-        # Bounded by one copy launch; with DP, also by reading the token counts.
+        # Bounded by one copy launch (a torch copy_, on CPU too); with DP, also by
+        # reading the token counts.
         dp = get_forward_context().dp_metadata
         layout = self._single_rank if dp is None else self._layout_for(dp)
         rows = self.capturer.capture(layer_id, topk_ids, layout=layout)

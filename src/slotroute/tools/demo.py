@@ -13,7 +13,7 @@ it was preempted, the routing shape, and whether its routing equals the referenc
 and a summary line. The exit code is 1 if any finished request's routing differs from
 the reference, is missing, or is malformed.
 
-Each engine runs in its own child process (``python -m slotroute.demo --engine-job``),
+Each engine runs in its own child process (``python -m slotroute.tools.demo --engine-job``),
 whose vLLM logs go to a file; the parent shows progress and never imports vLLM. With
 ``--serve`` the first run is a ``vllm serve`` subprocess queried through the ``openai``
 client instead.
@@ -40,18 +40,15 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from slotroute.spec import RoutingSpec
+from slotroute.tools.engine import DemoRequest, EngineJob, EngineRun, RequestResult, drive, start_engine
 
 __all__ = [
-    "DemoRequest",
-    "EngineJob",
-    "EngineRun",
-    "RequestResult",
     "add_arguments",
     "build_workload",
     "check_request",
@@ -62,21 +59,6 @@ __all__ = [
 
 
 # --- the workload -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DemoRequest:
-    """One request of the demo workload: greedy, ``max_tokens`` tokens, EOS ignored.
-
-    It enters the engine before step ``arrive_step``. If ``abort_after`` is set, it is
-    aborted as soon as it has generated that many tokens.
-    """
-
-    name: str
-    prompt: list[int]
-    max_tokens: int
-    arrive_step: int = 0
-    abort_after: int | None = None
 
 
 def build_workload(vocab_size: int, block_size: int, seed: int = 0, max_tokens: int = 32) -> list[DemoRequest]:
@@ -111,66 +93,16 @@ def build_workload(vocab_size: int, block_size: int, seed: int = 0, max_tokens: 
 # --- one engine run (child process: the only code here that imports vLLM) ---------------
 
 
-@dataclass
-class EngineJob:
-    """How to run one engine over the workload; JSON-serialisable."""
-
-    model: str
-    prefix_caching: bool
-    num_blocks: int
-    block_size: int = 32
-    chunk: int = 128
-    max_model_len: int = 1024
-    dtype: str = "float32"
-    routing: bool = True
-    seed: int = 0
-    # The KV cache budget handed to vLLM (num_blocks fixes the pool itself). Without
-    # one the CPU worker reserves a share of host memory and refuses to start when
-    # that much is not free.
-    kv_cache_bytes: int = 64 << 20
-    # vLLM's executor: "uni" runs the worker in the engine's process; "mp" in a process
-    # of its own, as `vllm serve` does, its output crossing a shared-memory queue.
-    executor: str = "uni"
-
-
-@dataclass
-class RequestResult:
-    """What one request returned. ``routing`` is ``None`` when vLLM returned none
-    (aborted, or routing not enabled); ``num_preemptions`` is ``None`` when unknown."""
-
-    name: str
-    prompt_len: int
-    token_ids: list[int]
-    num_cached_tokens: int | None
-    num_preemptions: int | None
-    finish_reason: str
-    routing: np.ndarray | None = None
-
-
-@dataclass
-class EngineRun:
-    """The results of one run, with where and how long it ran."""
-
-    results: dict[str, RequestResult]
-    device: str
-    engine_start_s: float
-    run_s: float
-    steps: int
-    extra: dict = field(default_factory=dict)
-
-
 def run_engine(
     job: EngineJob, workload: Sequence[DemoRequest], progress: Callable[[str], None] = lambda _: None
 ) -> EngineRun:
-    """``slotroute.vllm.engine.start_engine(job)``, then ``drive`` ``workload`` through it.
+    """``start_engine(job)``, then ``drive`` ``workload`` through it.
 
     Returns
     -------
     EngineRun
         As ``drive``, with the engine's start-up time.
     """
-    from slotroute.vllm.engine import drive, start_engine
-
     llm, engine_start_s = start_engine(job, progress)
     run = drive(llm, workload, progress)
     run.engine_start_s = engine_start_s
@@ -252,7 +184,7 @@ def run_in_child(job: EngineJob, workload: Sequence[DemoRequest], label: str, wo
     progress = Progress(label)
     with open(log_path, "wb") as log:
         child = subprocess.Popen(
-            [sys.executable, "-m", "slotroute.demo", "--engine-job", str(job_dir)],
+            [sys.executable, "-m", "slotroute.tools.demo", "--engine-job", str(job_dir)],
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -556,7 +488,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engine_job is not None:
         return engine_job_main(args.engine_job)
     if args.model is None:
-        from slotroute.tiny_model import default_model_dir
+        from slotroute.tools.tiny_model import default_model_dir
 
         model = default_model_dir()
     else:

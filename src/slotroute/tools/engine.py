@@ -1,18 +1,83 @@
 """Drive a real in-process vLLM engine through a fixed workload, step by step.
 
-Used by ``slotroute demo`` (``slotroute.demo.run_engine``) and
+Used by ``slotroute demo`` (``slotroute.tools.demo.run_engine``) and
 ``benchmarks/vllm_e2e.py``. Arrivals are keyed to engine steps and aborts to generated
 tokens, so a workload meets the same prefix-cache hits and preemptions on every run.
+vLLM is imported by the functions that start and drive an engine, not with this module.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from slotroute.demo import DemoRequest, EngineJob, EngineRun, RequestResult
+import numpy as np
 
-__all__ = ["drive", "start_engine"]
+__all__ = ["DemoRequest", "EngineJob", "EngineRun", "RequestResult", "drive", "start_engine"]
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    """One request of a workload: greedy, ``max_tokens`` tokens, EOS ignored.
+
+    It enters the engine before step ``arrive_step``. If ``abort_after`` is set, it is
+    aborted as soon as it has generated that many tokens.
+    """
+
+    name: str
+    prompt: list[int]
+    max_tokens: int
+    arrive_step: int = 0
+    abort_after: int | None = None
+
+
+@dataclass
+class EngineJob:
+    """How to run one engine over the workload; JSON-serialisable."""
+
+    model: str
+    prefix_caching: bool
+    num_blocks: int
+    block_size: int = 32
+    chunk: int = 128
+    max_model_len: int = 1024
+    dtype: str = "float32"
+    routing: bool = True
+    seed: int = 0
+    # The KV cache budget handed to vLLM (num_blocks fixes the pool itself). Without
+    # one the CPU worker reserves a share of host memory and refuses to start when
+    # that much is not free.
+    kv_cache_bytes: int = 64 << 20
+    # vLLM's executor: "uni" runs the worker in the engine's process; "mp" in a process
+    # of its own, as `vllm serve` does, its output crossing a shared-memory queue.
+    executor: str = "uni"
+
+
+@dataclass
+class RequestResult:
+    """What one request returned. ``routing`` is ``None`` when vLLM returned none
+    (aborted, or routing not enabled); ``num_preemptions`` is ``None`` when unknown."""
+
+    name: str
+    prompt_len: int
+    token_ids: list[int]
+    num_cached_tokens: int | None
+    num_preemptions: int | None
+    finish_reason: str
+    routing: np.ndarray | None = None
+
+
+@dataclass
+class EngineRun:
+    """The results of one run, with where and how long it ran."""
+
+    results: dict[str, RequestResult]
+    device: str
+    engine_start_s: float
+    run_s: float
+    steps: int
+    extra: dict = field(default_factory=dict)
 
 
 def start_engine(job: EngineJob, progress: Callable[[str], None] = lambda _: None):

@@ -1,0 +1,8 @@
+"""Tools built on slotroute, not part of the library or the vLLM plugin.
+
+``demo`` (``slotroute demo``: a tiny MoE served by vLLM, every request's routing
+checked), ``bench`` (``slotroute bench``: the store and wire benchmarks), ``tiny_model``
+(the checkpoint the demo and the tests serve) and ``engine`` (the in-process engine
+driver the demo and ``benchmarks/vllm_e2e.py`` share). Nothing in ``slotroute`` or
+``slotroute.vllm`` imports them.
+"""
