@@ -123,8 +123,9 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
         from slotroute.vllm.connector import ConnectorRouting
         from slotroute.vllm.worker import WorkerRouting
 
-        timer.wrap(ConnectorRouting, "store_batch", "scheduler", count_bytes)
-        for name in ("get", "on_new_blocks", "build_connector_meta", "take_output", "request_finished", "before_output",
+        # Not ``get`` nor ``store_batch``'s time: ``take_output`` and ``take_step`` call them.
+        timer.wrap(ConnectorRouting, "store_batch", "bytes", count_bytes)
+        for name in ("on_new_blocks", "build_connector_meta", "take_output", "request_finished", "take_step",
                      "after_output"):
             timer.wrap(ConnectorRouting, name, "scheduler")
         timer.wrap(WorkerRouting, "begin_step", "worker")
