@@ -80,16 +80,17 @@ def make_llm(model: str, **overrides):
         kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     args.update(overrides)
+    import vllm
+
     llm = LLM(**args)
-    if _KEEP_ENGINES:
+    if tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31):
+        # vLLM 0.31+ tear down the process's parallel state when an in-process engine
+        # shuts down, which breaks every other engine of the test process: engines live
+        # as long as the session there.
         _LIVE_ENGINES.append(llm)
     return llm
 
 
-# vLLM 0.31+ tear down the process's parallel state when an in-process engine shuts
-# down, which breaks every other engine of the test process: engines live as long as
-# the session there.
-_KEEP_ENGINES = tuple(int(part) for part in __import__("vllm").__version__.split(".")[:2]) >= (0, 31)
 _LIVE_ENGINES: list = []
 
 
