@@ -25,6 +25,30 @@ from slotroute.tools.demo import decode_routed_experts, free_port, serve_command
 pytestmark = pytest.mark.vllm
 
 STARTUP_TIMEOUT_S = 300
+# vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
+CONNECTOR_GENERATION = tuple(int(part) for part in __import__("vllm").__version__.split(".")[:2]) >= (0, 31)
+
+# A request of this many prompt tokens loses its routing in the server: a fault the
+# test injects, at startup of every server process (``sitecustomize``), by invalidating
+# the request's blocks just before slotroute reads its rows (vLLM 0.31+).
+LOSE_ROUTING_PROMPT_LEN = 137
+LOSE_ROUTING = f"""
+def _lose_routing_of_one_prompt_length():
+    from slotroute.vllm.connector import ConnectorRouting
+
+    take_output = ConnectorRouting.take_output
+
+    def losing_take_output(self, request, output):
+        if request.num_prompt_tokens == {LOSE_ROUTING_PROMPT_LEN}:
+            blocks = self._coordinator.get_blocks(request.request_id)[self.attn_gid]
+            self.store.invalidate_blocks([block.block_id for block in blocks])
+        return take_output(self, request, output)
+
+    ConnectorRouting.take_output = losing_take_output
+
+
+_lose_routing_of_one_prompt_length()
+"""
 
 # Runs the server's entry module; at import, in the API server and in the spawned
 # engine core alike, installs the async stand-ins and logs which scheduler each
@@ -58,6 +82,10 @@ def server(request, tiny_model, tmp_path_factory):
     log_path = work / "vllm-serve.log"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # slotroute's "patched vLLM" line, per process
+    inject = work / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(LOSE_ROUTING)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(inject), env.get("PYTHONPATH")]))
     command = serve_command(tiny_model)
     if request.param == "async":
         assert command[1] == "-m", command
@@ -144,5 +172,17 @@ def test_server_answers_400_to_a_prompt_start_beyond_the_prompt_and_serves_on(se
     prompt = prompt_tokens(102, 40)
     with pytest.raises(openai.BadRequestError, match="routed_experts_prompt_start"):
         complete(client, prompt, 3, routed_experts_prompt_start=41)
+    choice, routed = complete(client, prompt, 3)
+    np.testing.assert_array_equal(routed, reference(prompt, 3).routed)
+
+
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="vLLM 0.28-0.30 read routing once, at prefill end")
+def test_server_answers_500_to_a_request_whose_routing_is_missing_and_serves_on(server, reference):
+    import openai
+
+    client, _ = server
+    with pytest.raises(openai.InternalServerError):
+        complete(client, prompt_tokens(103, LOSE_ROUTING_PROMPT_LEN), 3)
+    prompt = prompt_tokens(104, 60)
     choice, routed = complete(client, prompt, 3)
     np.testing.assert_array_equal(routed, reference(prompt, 3).routed)
