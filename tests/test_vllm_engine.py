@@ -354,10 +354,11 @@ def test_request_whose_routing_is_missing_fails_alone_while_the_others_finish_ex
     routing = routing_of(scheduler)
     llm.reset_prefix_cache()
     prompts = {"lost": prompt_tokens(61, 2 * TOKEN_BUDGET + 10), "kept": prompt_tokens(62, 100)}
-    for name, prompt in prompts.items():
-        llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(6))
+    ids = {name: llm_engine.add_request(name, {"prompt_token_ids": prompt}, greedy(6))
+           for name, prompt in prompts.items()}  # vLLM's ids: the names plus a suffix
     llm_engine.step()  # the first chunk of "lost" stored, none of its rows returned yet
-    (lost_blocks,) = scheduler.kv_cache_manager.get_block_ids("lost")
+    (lost_blocks,) = scheduler.kv_cache_manager.get_block_ids(ids["lost"])
+    assert lost_blocks
     routing.store.invalidate_blocks(lost_blocks)
     finished = {}
     while llm_engine.has_unfinished_requests():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import BLOCK_SIZE, KV_CACHE_BYTES, TINY, prompt_tokens, routing_of
+from conftest import BLOCK_SIZE, KV_CACHE_BYTES, TINY, prompt_tokens
 
 pytestmark = pytest.mark.vllm
 
@@ -44,7 +44,8 @@ def main():
               kv_cache_memory_bytes=%d, seed=0)
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
-    routing = routing_of(scheduler)
+    # slotroute's routing where vLLM keeps its own: the manager (0.28-0.30), the connector (0.31+)
+    routing = getattr(scheduler, "routed_experts_mgr", None) or scheduler.aux_output_connector
     shipped, store_batch = set(), routing.store_batch
     routing.store_batch = lambda data, slots: (shipped.add(str(data.dtype)), store_batch(data, slots))
     # Steps scheduled but whose output was not yet processed, at each schedule().
