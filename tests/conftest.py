@@ -119,6 +119,26 @@ def routing_of(scheduler):
     return found if found is not None else getattr(scheduler, "aux_output_connector", None)
 
 
+def wait_until_serving(process, client, log_text, timeout_s: float) -> None:
+    """Return once the OpenAI server ``process`` answers ``client.models.list()``; fail
+    the test, showing ``log_text()``, if it exits or is not up within ``timeout_s``."""
+    import time
+
+    import openai
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_text()}")
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not up after {timeout_s} s:\n{log_text()}")
+            time.sleep(1)
+
+
 def shipped_routing(model_runner_output):
     """The step's routing a worker put in its ``ModelRunnerOutput``: ``routed_experts``
     (vLLM 0.28-0.30) or ``aux_output_connector_output`` (0.31+)."""

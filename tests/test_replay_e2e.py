@@ -13,12 +13,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DENSE_LAYERS, MOE_LAYERS, TINY, prompt_tokens
+from conftest import DENSE_LAYERS, MOE_LAYERS, TINY, prompt_tokens, wait_until_serving
 from trainers_doc import run_recipe
 
 from slotroute.replay import (
@@ -72,17 +71,7 @@ def base_url(tiny_model, tmp_path_factory):
 
         url = f"http://127.0.0.1:{port}/v1"
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{server_log()}")
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve not up after {STARTUP_TIMEOUT_S} s:\n{server_log()}")
-                time.sleep(1)
+        wait_until_serving(process, client, server_log, STARTUP_TIMEOUT_S)
         yield url
     finally:
         stop_process_group(process)

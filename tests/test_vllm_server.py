@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY, prompt_tokens
+from conftest import TINY, prompt_tokens, wait_until_serving
 
 from slotroute.tools.demo import decode_routed_experts, free_port, serve_command
 
@@ -105,17 +104,7 @@ def server(request, tiny_model, tmp_path_factory):
         import openai
 
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"vllm serve exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"vllm serve not up after {STARTUP_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
-                time.sleep(1)
+        wait_until_serving(process, client, lambda: log_path.read_text()[-4000:], STARTUP_TIMEOUT_S)
         if request.param == "async":
             assert "ENGINE CORE AsyncScheduler batch_queue=True" in log_path.read_text()
         yield client, log_path

@@ -102,8 +102,9 @@ class ConnectorRouting(SchedulerRouting):
     def for_scheduler(cls, scheduler) -> ConnectorRouting:
         """Built over the scheduler's KV block pool as
         :meth:`SchedulerRouting.for_vllm` builds its store."""
-        base = SchedulerRouting.for_vllm(scheduler.vllm_config, scheduler.kv_cache_config)
-        return cls(base.store, base.attn_gid, scheduler.kv_cache_manager.coordinator)
+        return cls.for_vllm(
+            scheduler.vllm_config, scheduler.kv_cache_config, coordinator=scheduler.kv_cache_manager.coordinator
+        )
 
     # -- vLLM's AuxOutputSchedulerConnector interface -----------------------------
 
@@ -133,12 +134,12 @@ class ConnectorRouting(SchedulerRouting):
         if end < start:
             return None
         size = self._block_size
-        first = start // size
+        first, stop = start // size, -(-end // size)
         blocks = self._coordinator.get_blocks(req_id)[self.attn_gid]
         if blocks:
-            block_ids = [block.block_id for block in blocks[first : -(-end // size)]]
+            block_ids = [block.block_id for block in blocks[first:stop]]
         else:  # preempted with this step in flight (NOTE 1)
-            block_ids = self._parked.get(req_id, [])[first : -(-end // size)]
+            block_ids = self._parked.get(req_id, [])[first:stop]
         if len(block_ids) * size < end - first * size:
             rows = self.missing(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
         else:

@@ -114,16 +114,17 @@ class SchedulerRouting:
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
 
     @classmethod
-    def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
+    def for_vllm(cls, vllm_config, kv_cache_config, **extra) -> SchedulerRouting:
         """Build it as vLLM builds its own manager: the full-attention group's block
-        size, the whole block pool, the spec of :func:`routing_spec`."""
+        size, the whole block pool, the spec of :func:`routing_spec`; ``extra`` goes to
+        the constructor (a subclass's own arguments)."""
         attn_gid = attention_gid(kv_cache_config)
         block_size = kv_cache_config.kv_cache_groups[attn_gid].kv_cache_spec.block_size
         store = RoutedExpertsManager(
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
         )
         logger.info("slotroute: scheduler keeps routing in %r", store)
-        return cls(store, attn_gid)
+        return cls(store, attn_gid, **extra)
 
     @property
     def routed_experts_by_slot(self) -> np.ndarray:

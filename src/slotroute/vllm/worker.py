@@ -25,6 +25,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 
 from slotroute.capture import NOT_CAPTURED, BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
+from slotroute.vllm.connector import StepFailure
 from slotroute.vllm.scheduler import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists
 
@@ -244,8 +245,6 @@ def step_output(pending: PendingSnapshot):
     if the step failed its check, a :class:`~slotroute.vllm.connector.StepFailure`
     naming what the check found, so that the requests of the step fail alone. The
     worker logs the failure."""
-    from slotroute.vllm.connector import StepFailure
-
     try:
         arrays = pending.arrays()
     except ValueError as error:
