@@ -63,6 +63,19 @@ def tiny_model(tmp_path_factory) -> str:
     return str(write_tiny_moe(tmp_path_factory.mktemp("tiny-moe"), **TINY))
 
 
+def vllm_version() -> tuple[int, int]:
+    """The installed vLLM's (major, minor)."""
+    import vllm
+
+    return tuple(int(part) for part in vllm.__version__.split(".")[:2])
+
+
+def connector_generation() -> bool:
+    """Whether the installed vLLM returns routing through the aux-output connector that
+    slotroute replaces (0.31+), rather than a routed-experts manager (0.28-0.30)."""
+    return vllm_version() >= (0, 31)
+
+
 def make_llm(model: str, **overrides):
     """A ``vllm.LLM`` on ``model`` with routed experts on; ``overrides`` win."""
     from vllm import LLM
@@ -80,10 +93,8 @@ def make_llm(model: str, **overrides):
         kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     args.update(overrides)
-    import vllm
-
     llm = LLM(**args)
-    if tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31):
+    if connector_generation():
         # vLLM 0.31+ tear down the process's parallel state when an in-process engine
         # shuts down, which breaks every other engine of the test process: engines live
         # as long as the session there.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import vllm
 from conftest import (
     BLOCK_SIZE,
     DENSE_LAYERS,
@@ -14,6 +13,7 @@ from conftest import (
     TINY,
     assert_same_completion,
     completion,
+    connector_generation,
     generate,
     greedy,
     make_llm,
@@ -21,15 +21,15 @@ from conftest import (
     prompt_tokens,
     routing_of,
     scheduler_of,
+    vllm_version,
 )
 
 pytestmark = pytest.mark.vllm
 
 # vLLM before 0.30 asserts prompt_start < prompt length in the scheduler; 0.30 admits equality.
-VLLM = tuple(int(part) for part in vllm.__version__.split(".")[:2])
-PROMPT_START_BELOW_LENGTH = VLLM < (0, 30)
+PROMPT_START_BELOW_LENGTH = vllm_version() < (0, 30)
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
-CONNECTOR_GENERATION = VLLM >= (0, 31)
+CONNECTOR_GENERATION = connector_generation()
 TOKEN_BUDGET = 128  # max_num_batched_tokens of the engines under test: prefills chunk
 
 

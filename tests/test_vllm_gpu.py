@@ -34,6 +34,7 @@ from conftest import (
     TINY,
     Completion,
     completion,
+    connector_generation,
     generate,
     greedy,
     per_request_routing_state,
@@ -178,7 +179,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
 
     from slotroute.vllm.scheduler import SchedulerRouting
 
-    connector_generation = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+    connector = connector_generation()
 
     config = llm.llm_engine.vllm_config
     runner = runner_of(llm)
@@ -188,7 +189,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
     assert isinstance(routing_of(scheduler_of(llm)), SchedulerRouting)
     if RUNNER == "v2":
         assert type(runner).__module__ == "vllm.v1.worker.gpu.model_runner"
-        if connector_generation:
+        if connector:
             from slotroute.vllm.runner_v2_connector import StepConnector
 
             assert isinstance(runner.aux_output_connector, StepConnector)
@@ -199,7 +200,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
     else:
         assert type(runner).__module__ == "vllm.v1.worker.gpu_model_runner"
         assert runner.__dict__.get("_slotroute_routing") is not None
-        if not connector_generation:
+        if not connector:
             assert not runner.routed_experts_initialized  # none of vLLM's int32 copies run
     print(f"RESULT runner={type(runner).__module__}.{type(runner).__qualname__} "
           f"cudagraph_mode={config.compilation_config.cudagraph_mode} "

@@ -11,13 +11,13 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import prompt_tokens
+from conftest import connector_generation, prompt_tokens
 
 from slotroute.vllm import unsupported_reason
 
 pytestmark = pytest.mark.vllm
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
-CONNECTOR_GENERATION = tuple(int(part) for part in __import__("vllm").__version__.split(".")[:2]) >= (0, 31)
+CONNECTOR_GENERATION = connector_generation()
 
 # Prints what register() returned, whether a scheduler-side patch is in place, and
 # how many log lines the refusal produced. Importing the block pool is cheap.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TINY, prompt_tokens, wait_until_serving
+from conftest import TINY, connector_generation, prompt_tokens, wait_until_serving
 
 from slotroute.tools.demo import decode_routed_experts, free_port, serve_command
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 
 STARTUP_TIMEOUT_S = 300
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
-CONNECTOR_GENERATION = tuple(int(part) for part in __import__("vllm").__version__.split(".")[:2]) >= (0, 31)
+CONNECTOR_GENERATION = connector_generation()
 
 # A request of this many prompt tokens loses its routing in the server: a fault the
 # test injects, at startup of every server process (``sitecustomize``), by invalidating

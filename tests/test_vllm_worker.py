@@ -8,8 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import vllm
-from conftest import shipped_routing
+from conftest import connector_generation, shipped_routing
 
 from slotroute.capture import RoutedExpertsCapturer
 from slotroute.spec import RoutingSpec
@@ -18,7 +17,7 @@ pytestmark = pytest.mark.vllm
 
 SPEC = RoutingSpec(num_layers=2, top_k=2, num_experts=8)
 # vLLM 0.31+ ship routing in ModelRunnerOutput.aux_output_connector_output.
-CONNECTOR_GENERATION = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+CONNECTOR_GENERATION = connector_generation()
 only_before_031 = pytest.mark.skipif(CONNECTOR_GENERATION, reason="vLLM 0.28-0.30's RoutedExpertsLists and V2 hooks")
 
 
