@@ -201,3 +201,48 @@ def assert_same_completion(got: Completion, want: Completion) -> None:
     assert got.routed.shape == want.routed.shape
     diff = np.argwhere(got.routed != want.routed)
     assert diff.size == 0, f"routing differs at (row, layer, k) {diff[:5].tolist()} of {len(diff)}"
+
+
+@dataclass
+class StepReads:
+    """What the checked payload reads of one test saw (:func:`step_reads_checked`)."""
+
+    from_payload: int = 0
+    rows_from_payload: int = 0
+    mismatches: list = None
+
+
+@pytest.fixture(autouse=True)
+def step_reads_checked(request, monkeypatch):
+    """On vLLM 0.31+, every read slotroute's connector serves from a step's payload
+    (NOTE 2 of ``ConnectorRouting``) is compared with the store read of the same rows
+    over the request's blocks, the per-request path it replaces; the test fails on any
+    difference. Every end-to-end scenario (prefix hits, chunked prefill, preemption with
+    a step in flight, resumes, aborts, async scheduling) thus checks the batched read
+    against per-request reads. Yields the counts (``None`` where it does not apply)."""
+    if "vllm" not in request.keywords or not connector_generation():
+        yield None
+        return
+    from slotroute.spec import MissingRoutingError
+    from slotroute.vllm.connector import ConnectorRouting
+
+    seen = StepReads(mismatches=[])
+    original = ConnectorRouting._rows_of_step
+
+    def _rows_of_step(self, req_id, start, end):
+        rows = original(self, req_id, start, end)
+        if rows is not None:
+            seen.from_payload += 1
+            seen.rows_from_payload += len(rows)
+            try:
+                expected = self._read_into(req_id, start, end)
+            except MissingRoutingError as error:
+                seen.mismatches.append((req_id, start, end, f"the store read raises: {error}"))
+            else:
+                if not np.array_equal(rows, expected):
+                    seen.mismatches.append((req_id, start, end, "rows differ from the store read"))
+        return rows
+
+    monkeypatch.setattr(ConnectorRouting, "_rows_of_step", _rows_of_step)
+    yield seen
+    assert not seen.mismatches, f"payload reads that differ from the store read: {seen.mismatches[:5]}"

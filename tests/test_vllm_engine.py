@@ -56,13 +56,14 @@ class Spy:
     """Counts calls of one method of a live vLLM object, keeping its behaviour."""
 
     def __init__(self, obj, name: str, record=lambda args, result: True) -> None:
-        self.obj, self.name, self.calls = obj, name, []
+        self.obj, self.name, self.calls, self.results = obj, name, [], []
         inner = getattr(obj, name)
 
         def spy(*args, **kwargs):
             result = inner(*args, **kwargs)
             if record(args, result):
                 self.calls.append(args)
+                self.results.append((args, result))
             return result
 
         setattr(obj, name, spy)
@@ -393,7 +394,7 @@ def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, refere
     finally:
         del capturer.capture
     assert failed.finish_reason == "error"
-    failures = [step for _, step in spy.calls if not hasattr(step, "routing_data")]
+    failures = [args[1] for args in spy.calls if not hasattr(args[1], "routing_data")]
     assert len(failures) == 1
     assert "the first is token 2 of the step (KV slot " in failures[0].error
     assert f"layer {MOE_LAYERS[-1]}: {TINY['num_experts']}" in failures[0].error
@@ -410,3 +411,33 @@ def test_prefix_cache_hit_is_served_from_the_slots_it_hit(llm, reference):
     (again,) = generate(llm, [prompt], greedy(3))
     assert again.num_cached_tokens == 5 * BLOCK_SIZE
     assert_same_completion(again, reference(prompt, 3))
+
+
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="the step-payload read is the 0.31+ connector's")
+def test_rows_of_a_step_are_read_from_its_payload_and_catch_up_rows_in_one_pass(llm, reference, step_reads_checked):
+    """Every row a request emits in a step comes from the step's payload, checked
+    against the store read of the same rows (the autouse ``step_reads_checked``); the
+    store is read only for catch-up rows (prefix-cache hits, earlier prefill chunks),
+    once per request, in one pass per step before vLLM reads any request's rows, and
+    no request falls back to a read of its own."""
+    routing = routing_of(scheduler_of(llm))
+    llm.reset_prefix_cache()
+    prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]  # one step: no chunk
+    caught_up = lambda args, result: bool(result)  # noqa: E731
+    with Spy(routing, "_read") as fallbacks, Spy(routing, "_catch_up", caught_up) as passes:
+        first = generate(llm, prompts, greedy(9))
+    assert not fallbacks.calls and not passes.calls
+    # Per request: the prompt's rows at the end of prefill, then one row per decode step.
+    assert step_reads_checked.from_payload == 3 * 9
+    assert step_reads_checked.rows_from_payload == sum(len(p) + 8 for p in prompts)
+    long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked: its last chunk catches up
+    with Spy(routing, "_read") as fallbacks, Spy(routing, "_catch_up", caught_up) as passes:
+        again = generate(llm, prompts + [long_prompt], greedy(9))
+    assert [c.num_cached_tokens for c in again[:3]] == [BLOCK_SIZE] * 3
+    assert not fallbacks.calls
+    # One pass for the three prefix hits (scheduled together), one for the last chunk.
+    assert [len(result) for _, result in passes.results] == [3, 1]
+    for got, was, prompt in zip(again, first + [None], prompts + [long_prompt]):
+        assert_same_completion(got, reference(prompt, 9))
+        if was is not None:
+            assert_same_completion(was, reference(prompt, 9))

@@ -212,7 +212,9 @@ class RoutedExpertsManager:
                 return
         self._store_native(*self._checked_shapes(data, slot_mapping))
 
-    def get(self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0) -> np.ndarray:
+    def get(
+        self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Routing of tokens ``token_start .. num_tokens - 1`` of a request whose
         token ``t`` lives in block ``block_ids[t // block_size]``.
 
@@ -220,12 +222,20 @@ class RoutedExpertsManager:
         bounded by memory bandwidth, and by memory latency at each block boundary
         when the blocks are scattered over the pool.
 
+        Parameters
+        ----------
+        out
+            Where to write the rows instead of a new array: C-contiguous, shape
+            ``(num_tokens - token_start, num_layers, top_k)``, storage dtype (a view
+            into a larger array the caller assembles, say). If the call raises, ``out``
+            may hold part of the rows; the store is unchanged either way.
+
         Returns
         -------
         np.ndarray
             Shape ``(num_tokens - token_start, num_layers, top_k)``, storage dtype.
             A **copy**: it shares no memory with the store and stays valid after
-            later writes or invalidations.
+            later writes or invalidations. ``out`` itself where it was given.
 
         Raises
         ------
@@ -233,8 +243,8 @@ class RoutedExpertsManager:
             A block id outside ``[0, num_blocks)``.
         ValueError
             ``block_ids`` not 1-D integers, ``num_tokens`` negative or beyond
-            ``len(block_ids) * block_size``, or ``token_start`` outside
-            ``[0, num_tokens]``.
+            ``len(block_ids) * block_size``, ``token_start`` outside
+            ``[0, num_tokens]``, or ``out`` not of the shape, dtype and layout above.
         MissingRoutingError
             Some token in the range has a slot not written since its block was last
             invalidated (the message lists which tokens).
@@ -244,9 +254,16 @@ class RoutedExpertsManager:
         as_list = self._native is not None and type(block_ids) is list
         blocks = block_ids if as_list else self._checked_blocks(block_ids)
         num_tokens, token_start = self._checked_range(len(blocks), num_tokens, token_start)
+        if out is not None:
+            self._check_out(out, num_tokens - token_start)
         if self._native is None:
-            return self._gather(blocks, num_tokens, token_start)
-        out = np.empty((num_tokens - token_start, *self._token_shape), dtype=self._buffer.dtype)
+            rows = self._gather(blocks, num_tokens, token_start)
+            if out is None:
+                return rows
+            out[...] = rows
+            return out
+        if out is None:
+            out = np.empty((num_tokens - token_start, *self._token_shape), dtype=self._buffer.dtype)
         ids = blocks if as_list else np.ascontiguousarray(blocks, dtype=np.int64)
         stream_from = STREAM_RESULTS_FROM if STREAM_RESULTS_FROM is not None else stream_results_from()
         status = self._native.gather_blocks(*self._arrays, out, ids, token_start, num_tokens, stream_from)
@@ -255,7 +272,7 @@ class RoutedExpertsManager:
         if status == _MISSING:
             return self._gather(self._checked_blocks(block_ids), num_tokens, token_start)  # raises
         if as_list and status in (_NOT_INT, _OUT_OF_RANGE):  # a list numpy must read: other ints, or a bad id
-            return self.get(self._checked_blocks(block_ids), num_tokens, token_start)
+            return self.get(self._checked_blocks(block_ids), num_tokens, token_start, out)
         raise RuntimeError(f"internal error: gather_blocks returned status {_status_name(status)} for checked input")
 
     def invalidate_blocks(self, block_ids: Sequence[int] | np.ndarray) -> None:
@@ -374,6 +391,19 @@ class RoutedExpertsManager:
         if not 0 <= token_start <= num_tokens:
             raise ValueError(f"token_start must be in [0, {num_tokens}] (num_tokens), got {token_start}")
         return num_tokens, token_start
+
+    def _check_out(self, out, rows: int) -> None:
+        expected = (rows, *self._token_shape)
+        if (
+            type(out) is not np.ndarray or out.shape != expected or out.dtype != self._buffer.dtype
+            or not out.flags.c_contiguous or not out.flags.writeable
+        ):
+            found = (
+                f"{out.dtype} of shape {out.shape}{'' if out.flags.c_contiguous else ', not C-contiguous'}"
+                f"{'' if out.flags.writeable else ', read-only'}"
+                if isinstance(out, np.ndarray) else type(out).__name__
+            )
+            raise ValueError(f"out must be a writable C-contiguous {self._buffer.dtype} array of shape {expected}, got {found}")
 
     def _block_out_of_range(self, position: int, block_id: int) -> IndexError:
         return IndexError(f"block id {block_id} (position {position}) is out of range [0, {self.num_blocks})")

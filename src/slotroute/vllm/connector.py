@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 
+from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.scheduler import SchedulerRouting, _make_get_new_blocks, _WATCHER_ATTR
@@ -65,6 +67,20 @@ def first_row(request) -> int:
     return max(start, 0)
 
 
+class _StepRows:
+    """The step just stored, indexed for :meth:`ConnectorRouting.take_output` (NOTE 2):
+    its rows and slots as the worker shipped them, each request's first row in them
+    (``offsets``), the position of its first token in this step (``firsts``), its token
+    count (``counts``), and the rows gathered from the store for requests whose output
+    begins before this step's tokens (``caught_up``: request id -> (first row, buffer))."""
+
+    __slots__ = ("data", "slots", "offsets", "firsts", "counts", "caught_up")
+
+    def __init__(self, data, slots, offsets, firsts, counts, caught_up) -> None:
+        self.data, self.slots, self.offsets = data, slots, offsets
+        self.firsts, self.counts, self.caught_up = firsts, counts, caught_up
+
+
 class ConnectorRouting(SchedulerRouting):
     """vLLM 0.31-0.32's scheduler connector interface over slotroute's slot store.
 
@@ -81,6 +97,20 @@ class ConnectorRouting(SchedulerRouting):
     request's block ids and keeps its cursor, and such an output reads the parked
     blocks; the request's next schedule drops them.
 
+    NOTE 2: one read per step, not one per request. The rows a request emits in a
+    step are, but for a catch-up, the rows of the tokens it forwarded in that step,
+    which sit in the step's payload just stored: the worker lays tokens out in the
+    order of ``ModelRunnerOutput.req_ids`` (the V2 runner sorts its batch; that list
+    is its order), each request's ``num_scheduled_tokens`` rows in a run, from the
+    position ``num_computed_tokens`` the scheduler output gave the worker. So
+    :meth:`take_step` indexes the payload in one pass, and :meth:`take_output` copies
+    a slice of it after checking that the slice's first slot is the KV slot of the
+    request's token there (one block lookup): a layout that is not what this note
+    says never hands out a row, it only sends the request to the store read.
+    Catch-up rows (a prefix-cache hit, earlier prefill chunks, a resumed request) are
+    gathered from the store in :meth:`take_step`, all of a step's in one pass, into
+    the buffer the request's rows are returned in.
+
     Parameters
     ----------
     store, attn_gid
@@ -92,11 +122,17 @@ class ConnectorRouting(SchedulerRouting):
     def __init__(self, store, attn_gid: int, coordinator) -> None:
         super().__init__(store, attn_gid)
         self._coordinator = coordinator
+        # Request id -> its KV blocks of the full-attention group: what
+        # ``KVCacheCoordinator.get_blocks`` reads, without building a tuple per call.
+        self._req_blocks = coordinator.single_type_managers[attn_gid].req_to_blocks
         self._block_size = store.block_size
         # Request id -> its first row not yet returned.
         self._cursors: dict[str, int] = {}
         # Request id -> the block ids it held when it was preempted (NOTE 1).
         self._parked: dict[str, list[int]] = {}
+        # The step being output, indexed (NOTE 2); None outside update_from_output or
+        # where its payload cannot be indexed.
+        self._step_rows: _StepRows | None = None
 
     @classmethod
     def for_scheduler(cls, scheduler) -> ConnectorRouting:
@@ -110,12 +146,12 @@ class ConnectorRouting(SchedulerRouting):
 
     def build_connector_meta(self, scheduler_output, requests) -> StepMeta:
         """Seal the step just scheduled (NOTE 1 of ``SchedulerRouting``) and note where
-        each newly scheduled request's rows start. Bounded by the step's requests."""
+        each newly scheduled request's rows start. Bounded by the step's new requests
+        and one C-level set difference."""
         self.seal_step(scheduler_output)
         cursors = self._cursors
-        for req_id in scheduler_output.num_scheduled_tokens:
-            if req_id not in cursors:
-                cursors[req_id] = first_row(requests[req_id])
+        for req_id in scheduler_output.num_scheduled_tokens.keys() - cursors.keys():
+            cursors[req_id] = first_row(requests[req_id])
         if self._parked:
             for req_id in scheduler_output.num_scheduled_tokens.keys() & self._parked.keys():
                 del self._parked[req_id]
@@ -123,9 +159,12 @@ class ConnectorRouting(SchedulerRouting):
 
     def take_output(self, request, output) -> np.ndarray | None:
         """The request's rows not yet returned, up to the token before its last sampled
-        one, read from the slots of its blocks (``output``, vLLM's worker output, was
-        stored before vLLM's ``update_from_output`` ran). ``None`` if there are none yet.
-        Bounded by the rows returned: one store read over the blocks that hold them."""
+        one (``output``, vLLM's worker output, was stored before vLLM's
+        ``update_from_output`` ran). ``None`` if there are none yet.
+
+        A copy (or a buffer of its own): from the step's payload where NOTE 2 finds
+        them there, a slice copied, bounded by Python call overhead; else one store
+        read over the blocks that hold them."""
         req_id = request.request_id
         start = self._cursors.get(req_id)
         if start is None:
@@ -133,19 +172,76 @@ class ConnectorRouting(SchedulerRouting):
         end = request.num_tokens - 1
         if end < start:
             return None
-        size = self._block_size
-        first, stop = start // size, -(-end // size)
-        blocks = self._coordinator.get_blocks(req_id)[self.attn_gid]
-        if blocks:
-            block_ids = [block.block_id for block in blocks[first:stop]]
-        else:  # preempted with this step in flight (NOTE 1)
-            block_ids = self._parked.get(req_id, [])[first:stop]
-        if len(block_ids) * size < end - first * size:
-            rows = self.missing(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
-        else:
-            rows = self.get(block_ids, end - first * size, start - first * size)
+        rows = None if self._step_rows is None else self._rows_of_step(req_id, start, end)
+        if rows is None:
+            rows = self._read(req_id, start, end)
         self._cursors[req_id] = end
         return rows
+
+    def _rows_of_step(self, req_id: str, start: int, end: int) -> np.ndarray | None:
+        """Rows ``start .. end - 1`` of the request from the step's payload and its
+        gathered catch-up (NOTE 2); ``None`` where they are not all there."""
+        step = self._step_rows
+        offset = step.offsets.get(req_id)
+        if offset is None:
+            return None
+        first = step.firsts[req_id]
+        lo = start if start > first else first
+        if end > first + step.counts[req_id] or end <= lo:
+            return None
+        row = offset + lo - first
+        if step.slots.item(row) != self._slot_of(req_id, lo):
+            return None
+        if lo == start:
+            return step.data[row : row + end - start].copy()
+        caught = step.caught_up.get(req_id)
+        if caught is None or caught[0] != start:
+            return None
+        rows = caught[1]
+        rows[first - start : end - start] = step.data[row : row + end - first]
+        return rows[: end - start]
+
+    def _slot_of(self, req_id: str, position: int) -> int:
+        """The KV slot of the request's token at ``position`` (its current blocks, or
+        those parked at preemption, NOTE 1); -1 where it has no block there."""
+        size = self._block_size
+        blocks = self._req_blocks.get(req_id)
+        index = position // size
+        if blocks:
+            return blocks[index].block_id * size + position % size if index < len(blocks) else -1
+        parked = self._parked.get(req_id)
+        return parked[index] * size + position % size if parked and index < len(parked) else -1
+
+    def _block_ids(self, req_id: str, first: int, stop: int) -> list[int]:
+        """Ids of the request's blocks ``first .. stop - 1`` (current or parked)."""
+        blocks = self._req_blocks.get(req_id)
+        if blocks:
+            return [block.block_id for block in blocks[first:stop]]
+        return self._parked.get(req_id, [])[first:stop]  # preempted with this step in flight (NOTE 1)
+
+    def _read(self, req_id: str, start: int, end: int) -> np.ndarray:
+        """Rows ``start .. end - 1`` of the request from the store; the empty marker of
+        ``missing`` if some is not stored."""
+        try:
+            return self._read_into(req_id, start, end)
+        except MissingRoutingError as error:
+            return self.missing(error)
+
+    def _read_into(self, req_id: str, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``start .. end - 1`` of the request from the store (into ``out`` where
+        given), over the blocks that hold them.
+
+        Raises
+        ------
+        MissingRoutingError
+            Some row is not stored for the request's token, or its blocks are gone.
+        """
+        size = self._block_size
+        first, stop = start // size, -(-end // size)
+        block_ids = self._block_ids(req_id, first, stop)
+        if len(block_ids) * size < end - first * size:
+            raise MissingRoutingError(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
+        return self.store.get(block_ids, end - first * size, start - first * size, out)
 
     def request_finished(self, request) -> None:
         """Forget a finished request; park a preempted one's blocks (NOTE 1)."""
@@ -163,20 +259,26 @@ class ConnectorRouting(SchedulerRouting):
 
     # -- steps ----------------------------------------------------------------------
 
-    def take_step(self, scheduler_output, step) -> None:
+    def take_step(self, scheduler_output, step, req_ids=None, requests=None) -> None:
         """Store one step's worker output before vLLM reads any request's rows: the
-        step's invalidations first (NOTE 1), then its rows; a :class:`StepFailure`
-        invalidates the blocks the step wrote instead, so each request in it fails alone.
+        step's invalidations first (NOTE 1 of ``SchedulerRouting``), then its rows,
+        indexed by ``req_ids`` (``ModelRunnerOutput.req_ids``, the worker's token
+        order) with the catch-up rows of the step's requests (``requests``, the
+        scheduler's) gathered (NOTE 2); a :class:`StepFailure` invalidates the blocks
+        the step wrote instead, so each request in it fails alone.
 
         Raises
         ------
         ValueError, IndexError
             As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
         """
+        self._step_rows = None
         if self._pending:
             self.before_output(scheduler_output)
         if type(step) is RoutedExpertsLists:
             self.store_batch(step.routing_data, step.slot_mapping)
+            if req_ids is not None:
+                self._step_rows = self._index_step(scheduler_output, step, req_ids, requests or {})
         elif isinstance(step, StepFailure):
             blocks = np.unique(np.asarray(step.slot_mapping, dtype=np.int64) // self._block_size)
             logger.error(
@@ -185,9 +287,59 @@ class ConnectorRouting(SchedulerRouting):
             )
             self.store.invalidate_blocks(blocks[(blocks >= 0) & (blocks < self.store.num_blocks)])
 
+    def _index_step(self, scheduler_output, step: RoutedExpertsLists, req_ids, requests) -> _StepRows | None:
+        """Where each request's rows sit in the step's payload (NOTE 2), or ``None`` if
+        ``req_ids`` does not lay out the payload's rows. Bounded by C-level passes over
+        the step's requests; the catch-up gather adds a pass over the requests of a
+        step that schedules more than one token for some request."""
+        counts = scheduler_output.num_scheduled_tokens
+        if len(req_ids) != len(counts):
+            return None
+        try:
+            starts = list(accumulate(map(counts.__getitem__, req_ids), initial=0))
+        except KeyError:
+            return None
+        if starts[-1] != step.slot_mapping.shape[0]:
+            return None
+        cached = scheduler_output.scheduled_cached_reqs
+        firsts = dict(zip(cached.req_ids, cached.num_computed_tokens))
+        new_reqs = scheduler_output.scheduled_new_reqs
+        for new in new_reqs:
+            firsts[new.req_id] = new.num_computed_tokens
+        # A step of one token per request, none new or resumed, is all decodes: no
+        # request's output starts before its token of this step.
+        decodes_only = not new_reqs and not cached.resumed_req_ids and starts[-1] == len(counts)
+        caught_up = {} if decodes_only else self._catch_up(firsts, counts, requests)
+        return _StepRows(step.routing_data, step.slot_mapping, dict(zip(req_ids, starts)), firsts, counts, caught_up)
+
+    def _catch_up(self, firsts: dict, counts: dict, requests: dict) -> dict:
+        """The rows before this step's tokens of every request whose output starts
+        there and whose step samples (its tokens reach the end of its prompt), read
+        from the store into one buffer per request sized for its whole output, in one
+        pass. A request whose read misses is left out: its take_output reads again,
+        and fails alone."""
+        caught_up = {}
+        spec = self.store.spec
+        for req_id, first in firsts.items():
+            start = self._cursors.get(req_id)
+            request = requests.get(req_id)
+            if start is None or start >= first or request is None:
+                continue
+            stop = first + counts[req_id]
+            if stop < request.num_prompt_tokens:  # a prefill chunk that samples nothing
+                continue
+            rows = np.empty((stop - start, *spec.token_shape), dtype=spec.storage_dtype)
+            try:
+                self._read_into(req_id, start, first, rows[: first - start])
+            except MissingRoutingError:
+                continue
+            caught_up[req_id] = (start, rows)
+        return caught_up
+
     def after_output(self, scheduler, outputs: dict) -> None:
         """Fail the requests whose read missed in this output; forget parked blocks of
         requests the scheduler no longer holds (aborted while preempted)."""
+        self._step_rows = None
         if self._missing:
             self.finish_missing(scheduler, outputs)
         if self._parked and not self._parked.keys() <= scheduler.requests.keys():
@@ -222,7 +374,10 @@ def _make_update_from_output(original):
         routing = self.aux_output_connector
         if not isinstance(routing, ConnectorRouting):
             return original(self, scheduler_output, model_runner_output)
-        routing.take_step(scheduler_output, model_runner_output.aux_output_connector_output)
+        routing.take_step(
+            scheduler_output, model_runner_output.aux_output_connector_output, model_runner_output.req_ids,
+            self.requests,
+        )
         outputs = original(self, scheduler_output, model_runner_output)
         routing.after_output(self, outputs)
         return outputs
@@ -271,7 +426,7 @@ def connector_patches() -> list[Patch]:
         Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
               ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
         Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
-              ("manager.req_to_blocks.get(request_id)",), None),
+              ("manager.req_to_blocks.get(request_id)", "for manager in self.single_type_managers"), None),
         Patch(SCHEDULER, "Scheduler.__init__", None,
               ("AuxOutputSchedulerConnector()", "self.kv_cache_manager = KVCacheManager("), _make_scheduler_init),
         Patch(SCHEDULER, "Scheduler.schedule", None,
