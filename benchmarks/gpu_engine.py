@@ -1,5 +1,6 @@
-"""A real vLLM on one GPU, a Qwen3-30B-A3B-shaped MoE, three configurations in one run:
-routing off, vLLM's own routed-experts path (``SLOTROUTE_DISABLE=1``) and slotroute.
+"""A real vLLM on one GPU, a Qwen3-30B-A3B-shaped MoE, three configurations
+interleaved over rounds: routing off, vLLM's own routed-experts path
+(``SLOTROUTE_DISABLE=1``) and slotroute.
 
 The model has Qwen3-30B-A3B's shape (48 MoE layers, 128 experts, top-8, hidden 2048,
 MoE intermediate 768, 32 query and 4 KV heads of 128; about 61 GB of bf16 weights),
@@ -7,22 +8,32 @@ with random weights drawn by vLLM itself (``load_format="dummy"``): only its
 ``config.json`` is written, so no 61 GB file is written or read. Routing of random
 weights is as costly to capture, ship and store as a trained model's.
 
-Two fixed workloads per configuration, after a short warm-up:
+Three workloads per engine process, after a short warm-up:
 ``rollout``: 256 requests of 1024 random prompt tokens and 256 generated tokens,
-submitted at once; ``multi-turn``: 64 conversations of 3 turns, each turn's prompt the
+submitted at once; ``multi-turn``: 64 conversations of 4 turns, each turn's prompt the
 previous prompt, its completion and 128 new tokens, 128 generated per turn (prefix
-cache hits on every turn after the first).
+cache hits on every turn after the first); ``multi-turn-start``: the same with
+``routed_experts_prompt_start`` at the previous turn's length, as a trainer that holds
+the earlier turns' rows asks (routing off runs it without).
 
 Each configuration runs in its own process (vLLM caches its environment per
-process). Printed per configuration and workload: generated tok/s and requests/min
-with their ratio to "off", bytes shipped per engine step, and the host time per step
-spent in the routing calls of the worker and the scheduler. The model runner is
-vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``
-(on 0.31+ vLLM's own path needs V2: ``--configs off,slotroute`` there).
+process). A first child, discarded, fills the compile caches; then every
+configuration runs once per round, in an order that rotates between rounds
+(``--rounds``, default 3). Printed per configuration and workload: the median, min and
+max over rounds of generated tok/s and requests/min, host time per engine step spent
+in the routing calls of the worker and the scheduler, and bytes shipped per step; and
+for each comparison the ratio of medians with the range of the same-round ratios,
+flagged where that range is wider than the difference claimed. Every child's figures
+go to ``--json``; with ``--budget-s`` the run stops before a child that would not
+finish in time, and the same command line continues it from the JSON.
 
-usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--layers 48] [--json OUT]
-(``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager`` is a
-smoke run that fits a CPU build of vLLM.)
+The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
+``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
+off,slotroute`` there).
+
+usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--json OUT] [--budget-s S]
+(``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
+is a smoke run that fits a CPU build of vLLM.)
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -102,10 +114,13 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
         def count_rows(args, result):  # what one step's worker output carries
             shipped.append(sum(out.rows.nbytes + 8 for out in (result or {}).values()))
 
+        from vllm.distributed.aux_output_connector.worker import PendingAuxOutput
+
         for name in ("build_connector_meta", "take_output", "request_finished"):
             timer.wrap(AuxOutputSchedulerConnector, name, "scheduler")
         for name in ("begin_step", "prepare_output"):
             timer.wrap(AuxOutputWorkerConnector, name, "worker")
+        timer.wrap(PendingAuxOutput, "enqueue_cpu_copy", "worker")
         timer.wrap(AuxOutputWorkerConnector, "process_output", "worker", count_rows)
     elif config == "vllm":
         from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
@@ -130,6 +145,7 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
             timer.wrap(ConnectorRouting, name, "scheduler")
         timer.wrap(WorkerRouting, "begin_step", "worker")
         timer.wrap(WorkerRouting, "snapshot_step", "worker")
+        timer.wrap(runner_v2_connector.PendingStep, "enqueue_cpu_copy", "worker")
         timer.wrap(runner_v2_connector.PendingStep, "process_output", "worker")
         timer.wrap(runner_v1, "_ship_aux_output", "worker")
     else:
@@ -143,8 +159,13 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
             timer.wrap(SchedulerRouting, name, "scheduler")
         timer.wrap(WorkerRouting, "begin_step", "worker")
         timer.wrap(WorkerRouting, "snapshot_step", "worker")
+        timer.wrap(runner_v2.StepRouting, "to_cpu_nonblocking", "worker")
         timer.wrap(runner_v2.StepRouting, "tolists", "worker")
         timer.wrap(runner_v1, "as_vllm_lists", "worker")
+
+
+WORKLOADS = ("rollout", "multi-turn", "multi-turn-start")
+TURNS = 4
 
 
 def workloads(requests: int, prompt_len: int, seed: int = 0):
@@ -159,6 +180,7 @@ def workloads(requests: int, prompt_len: int, seed: int = 0):
 def child(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     timer, shipped = Timer(), []
+    import numpy as np
     from vllm import LLM, SamplingParams
 
     instrument(args.child, timer, shipped)
@@ -174,24 +196,29 @@ def child(args) -> None:
     start_s = time.perf_counter() - started
     timer.wrap(llm.llm_engine.engine_core.engine_core.scheduler, "update_from_output", "steps")
     config = llm.llm_engine.vllm_config
-    rollout, conversations, rng = workloads(args.requests, args.prompt_len)
+    rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
+    routing = args.child != "off"
 
-    def params(n):
-        return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-
-    def run(prompts, n):
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params(n), use_tqdm=False)
-        for output in outputs:
+    def run(prompts, n, starts=None):
+        params = [
+            SamplingParams(
+                max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False,
+                **({"routed_experts_prompt_start": start} if routing and start else {}),
+            )
+            for start in (starts or [0] * len(prompts))
+        ]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for output, start in zip(outputs, starts or [0] * len(prompts)):
             routed = output.outputs[0].routed_experts
-            expected = len(output.prompt_token_ids) + n - 1
-            if args.child != "off" and (routed is None or routed.shape[0] != expected):
+            expected = len(output.prompt_token_ids) + n - 1 - start
+            if routing and (routed is None or routed.shape[0] != expected):
                 raise AssertionError(f"routed_experts {None if routed is None else routed.shape}, {expected} rows expected")
         return outputs
 
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
     results = {}
-    for name in ("rollout", "multi-turn"):
+    for name in WORKLOADS:
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
@@ -201,16 +228,16 @@ def child(args) -> None:
             run(rollout, gen)
             generated, requests = gen * len(rollout), len(rollout)
         else:
-            prompts = conversations
-            for _ in range(3):
-                outputs = run(prompts, turn_gen)
+            turn_rng = np.random.default_rng(1 if name == "multi-turn" else 2)  # no hits across workloads
+            prompts = [turn_rng.integers(1000, 150000, len(p)).tolist() for p in conversations]
+            starts = None
+            for _ in range(TURNS):
+                outputs = run(prompts, turn_gen, starts)
                 generated += turn_gen * len(prompts)
                 requests += len(prompts)
-                prompts = [
-                    list(o.prompt_token_ids) + list(o.outputs[0].token_ids)
-                    + rng.integers(1000, 150000, turn_gen).tolist()
-                    for o in outputs
-                ]
+                history = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outputs]
+                starts = [len(h) for h in history] if name == "multi-turn-start" else None
+                prompts = [h + turn_rng.integers(1000, 150000, turn_gen).tolist() for h in history]
         wall = time.perf_counter() - began
         steps = max(timer.calls.get("steps", 0), 1)
         results[name] = dict(
@@ -222,12 +249,100 @@ def child(args) -> None:
             scheduler_calls_per_step=timer.calls.get("scheduler", 0) / steps,
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    import vllm
+
     print("CHILD " + json.dumps(dict(
         config=args.child, start_s=start_s, results=results, use_v2=config.use_v2_model_runner,
-        runner=f"{type(runner).__module__}.{type(runner).__qualname__}",
+        runner=f"{type(runner).__module__}.{type(runner).__qualname__}", vllm=vllm.__version__,
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
     )), flush=True)
+
+
+def plan(configs: list[str], rounds: int) -> list[dict]:
+    """The children to run: one discarded warm-up (the last configuration: every patch
+    compiled), then each configuration once per round, the order rotated by one
+    configuration each round."""
+    children = [dict(round=0, config=configs[-1])]
+    for r in range(rounds):
+        k = r % len(configs)
+        children += [dict(round=r + 1, config=c) for c in configs[k:] + configs[:k]]
+    return children
+
+
+def _spread(values: list[float]) -> dict:
+    return dict(median=statistics.median(values), min=min(values), max=max(values), n=len(values))
+
+
+METRICS = ("tok_s", "req_min", "worker_us_per_step", "scheduler_us_per_step", "bytes_per_step")
+# (configuration, against, what is claimed of the ratio of their tok/s)
+COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None))
+
+
+def summarize(children: list[dict]) -> dict:
+    """Per workload and configuration, the median, min and max of each metric over the
+    rounds (the warm-up left out); per comparison, the ratio of the medians and the
+    range of the same-round ratios, and whether that range is wider than the
+    difference between the ratio and the claim (or 1 where nothing is claimed)."""
+    rounds = [c for c in children if c.get("round", 0) > 0 and "results" in c]
+    summary: dict = {"configs": {}, "comparisons": {}}
+    workloads_seen = sorted({w for c in rounds for w in c["results"]}, key=lambda w: (w not in WORKLOADS, w))
+    for workload in workloads_seen:
+        by_config: dict[str, dict] = {}
+        for config in dict.fromkeys(c["config"] for c in rounds):
+            runs = [c["results"][workload] for c in rounds if c["config"] == config and workload in c["results"]]
+            by_config[config] = {metric: _spread([r[metric] for r in runs]) for metric in METRICS}
+        summary["configs"][workload] = by_config
+        for config, against, claim in COMPARISONS:
+            if config not in by_config or against not in by_config:
+                continue
+            metric = "req_min" if workload == "multi-turn-start" else "tok_s"
+            paired = {}
+            for c in rounds:
+                if workload in c["results"]:
+                    paired.setdefault(c["round"], {})[c["config"]] = c["results"][workload][metric]
+            ratios = [p[config] / p[against] for p in paired.values() if config in p and against in p]
+            medians = by_config[config][metric]["median"] / by_config[against][metric]["median"]
+            if claim is not None and against == "off" and workload == "multi-turn-start":
+                claim = 0.995  # requests/min with routed_experts_prompt_start
+            target = 1.0 if claim is None else claim
+            spread = max(ratios) - min(ratios)
+            summary["comparisons"][f"{workload}: {config} / {against} ({metric})"] = dict(
+                ratio_of_medians=medians, round_ratios=ratios, claim=claim,
+                meets_claim=None if claim is None else medians >= claim,
+                spread_wider_than_difference=spread > abs(medians - target),
+            )
+    return summary
+
+
+def report(summary: dict, header: str) -> str:
+    lines = [header, "",
+             "| workload | config | tok/s median (min-max) | req/min median | worker us/step | scheduler us/step "
+             "| bytes/step |", "|---|---|---|---|---|---|---|"]
+    for workload, by_config in summary["configs"].items():
+        for config, m in by_config.items():
+            t = m["tok_s"]
+            lines.append(
+                f"| {workload} | {config} | {t['median']:.0f} ({t['min']:.0f}-{t['max']:.0f}) | "
+                f"{m['req_min']['median']:.1f} | {m['worker_us_per_step']['median']:.1f} | "
+                f"{m['scheduler_us_per_step']['median']:.1f} | {m['bytes_per_step']['median']:.0f} |"
+            )
+    lines += ["", "| workload | host us/step, worker + scheduler: slotroute | vLLM's own | ratio |", "|---|---|---|---|"]
+    for workload, by_config in summary["configs"].items():
+        if "slotroute" in by_config and "vllm" in by_config:
+            host = {c: by_config[c]["worker_us_per_step"]["median"] + by_config[c]["scheduler_us_per_step"]["median"]
+                    for c in ("slotroute", "vllm")}
+            lines.append(f"| {workload} | {host['slotroute']:.1f} | {host['vllm']:.1f} | "
+                         f"{host['slotroute'] / host['vllm']:.3f} |")
+    lines += ["", "| comparison | ratio of medians | same-round ratios | claim | verdict |", "|---|---|---|---|---|"]
+    for name, c in summary["comparisons"].items():
+        rounds = ", ".join(f"{r:.4f}" for r in c["round_ratios"])
+        claim = "-" if c["claim"] is None else f">= {c['claim']}"
+        verdict = "-" if c["meets_claim"] is None else ("met" if c["meets_claim"] else "missed")
+        if c["spread_wider_than_difference"]:
+            verdict += "; the rounds' spread is wider than the difference: not resolved"
+        lines.append(f"| {name} | {c['ratio_of_medians']:.4f} | {rounds} | {claim} | {verdict} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -235,62 +350,77 @@ def main() -> None:
     parser.add_argument("--runner", choices=("v2", "v1"), default="v2")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=256, help="rollout requests (conversations: a quarter)")
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--gen-len", type=int, default=256, help="rollout tokens (multi-turn: half per turn)")
     parser.add_argument("--kv-cache-gb", type=float, help="KV cache size (needed on CPU)")
     parser.add_argument("--eager", action="store_true", help="no compilation or CUDA graphs (needed on CPU)")
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", help="write every child and the summary here; continue a run found there")
+    parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    import torch
-
-    model = write_config(Path(tempfile.mkdtemp(prefix="qwen3-30b-a3b-shape-")), args.layers)
+    began = time.perf_counter()
+    configs = args.configs.split(",")
+    setup = dict(runner=args.runner, layers=args.layers, configs=configs, rounds=args.rounds, requests=args.requests,
+                 prompt_len=args.prompt_len, gen_len=args.gen_len, kv_cache_gb=args.kv_cache_gb, eager=args.eager)
+    state = dict(setup=setup, children=plan(configs, args.rounds))
+    if args.json and Path(args.json).exists():
+        found = json.loads(Path(args.json).read_text())
+        if found.get("setup") == setup:
+            state = found
+            print(f"continuing {args.json}: {sum('results' in c for c in state['children'])} children done", flush=True)
+    model = write_config(Path(tempfile.gettempdir()) / f"qwen3-30b-a3b-shape-{args.layers}", args.layers)
     env = dict(os.environ)
     if args.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    found = {}
-    for config in args.configs.split(","):
+    longest = 0.0
+    for entry in state["children"]:
+        if "results" in entry:
+            continue
+        if args.budget_s is not None and time.perf_counter() - began + 1.2 * max(longest, 60.0) > args.budget_s:
+            print("budget: stopping before the next child; run the same command again to continue", flush=True)
+            break
         child_env = dict(env)
-        if config == "vllm":
+        if entry["config"] == "vllm":
             child_env["SLOTROUTE_DISABLE"] = "1"
-        command = [sys.executable, __file__, "--child", config, "--model", str(model), "--requests",
+        command = [sys.executable, __file__, "--child", entry["config"], "--model", str(model), "--requests",
                    str(args.requests), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
         if args.kv_cache_gb is not None:
             command += ["--kv-cache-gb", str(args.kv_cache_gb)]
         if args.eager:
             command.append("--eager")
+        child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
+        longest = max(longest, time.perf_counter() - child_began)
         lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
         if result.returncode != 0 or not lines:
-            print(f"{config}: failed ({result.returncode})\n{result.stderr[-4000:]}", flush=True)
-            continue
-        found[config] = json.loads(lines[-1][6:])
-        print(f"{config}: {json.dumps(found[config])}", flush=True)
+            entry["failed"] = f"exit {result.returncode}: {result.stderr[-2000:]}"
+            print(f"round {entry['round']} {entry['config']}: failed ({result.returncode})\n{result.stderr[-4000:]}",
+                  flush=True)
+        else:
+            entry.update(json.loads(lines[-1][6:]), wall_s=time.perf_counter() - child_began)
+            print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
+                  + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items()), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(state, indent=1))
+    import torch
+
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    print(f"\ndevice {device}, runner {args.runner}, {args.layers} layers, {args.requests} requests of "
-          f"{args.prompt_len} + {args.gen_len} tokens")
-    print("| workload | config | tok/s | x off | req/min | bytes/step | worker us/step | scheduler us/step "
-          "| routing calls/step (worker + scheduler) |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name in ("rollout", "multi-turn"):
-        off = found.get("off", {}).get("results", {}).get(name)
-        for config, run in found.items():
-            r = run["results"][name]
-            ratio = f"{r['tok_s'] / off['tok_s']:.4f}" if off else "-"
-            print(f"| {name} | {config} | {r['tok_s']:.0f} | {ratio} | {r['req_min']:.0f} | "
-                  f"{r['bytes_per_step']:.0f} | {r['worker_us_per_step']:.1f} | {r['scheduler_us_per_step']:.1f} | "
-                  f"{r.get('worker_calls_per_step', 0):.1f} + {r.get('scheduler_calls_per_step', 0):.1f} |")
-        if off and "vllm" in found and "slotroute" in found:
-            own = 1 - found["vllm"]["results"][name]["tok_s"] / off["tok_s"]
-            ours = 1 - found["slotroute"]["results"][name]["tok_s"] / off["tok_s"]
-            print(f"{name}: throughput cost against off: vLLM's own {own:+.4f}, slotroute {ours:+.4f}")
+    done = [c for c in state["children"] if "results" in c]
+    version = done[0].get("vllm", "?") if done else "?"
+    state["summary"] = summarize(state["children"])
+    state["device"] = device
+    header = (f"device {device}, vLLM {version}, runner {args.runner}, {args.layers} layers, rollout {args.requests} x "
+              f"({args.prompt_len} + {args.gen_len}), multi-turn {max(args.requests // 4, 1)} x {TURNS} turns; "
+              f"rounds done: {max([c['round'] for c in done] or [0])} of {args.rounds} (round 0, the warm-up, left out)")
+    print("\n" + report(state["summary"], header), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(runner=args.runner, layers=args.layers, runs=found), indent=1))
+        Path(args.json).write_text(json.dumps(state, indent=1))
 
 
 if __name__ == "__main__":

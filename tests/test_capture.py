@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slotroute import capture as capture_module
-from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, check_and_narrow
+from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, pack_snapshot
 from slotroute.spec import RoutingSpec
 from slotroute.wire import RoutedExpertsLists
 
@@ -402,25 +402,32 @@ def test_snapshot_refuses_a_bool_num_tokens(cap):
 # --- the fused kernel ---------------------------------------------------------------
 
 
-def test_check_and_narrow_casts_and_counts_out_of_range_ids():
-    src = torch.tensor([[0, 15], [16, -1], [3, 255]], dtype=torch.int32)
-    dst = torch.empty(src.shape, dtype=torch.uint8)
-    bad = torch.zeros(1, dtype=torch.int32)
-    check_and_narrow(src, dst, bad, num_experts=16)
-    assert bad.item() == 3
-    np.testing.assert_array_equal(dst[src >= 0].numpy(), src[src >= 0].numpy().astype(np.uint8))
+def test_pack_snapshot_narrows_counts_copies_slots_and_clears_in_torch():
+    ids = torch.tensor([[0, 15], [16, -1], [3, 255], [7, 7]], dtype=torch.int32)
+    before = ids.clone()
+    fill = torch.tensor([NOT_CAPTURED, 0], dtype=torch.int32)
+    rows = torch.empty(6, dtype=torch.uint8)  # the first three tokens
+    counts = torch.full((1,), 99, dtype=torch.int32)
+    slots_out = torch.empty(3, dtype=torch.int64)
+    pack_snapshot(ids.view(-1), fill, rows, counts, torch.tensor([4, 9, 2], dtype=torch.int32), slots_out, 16, True)
+    assert counts.item() == 3
+    src = before[:3].reshape(-1)
+    np.testing.assert_array_equal(rows[src >= 0].numpy(), src[src >= 0].numpy().astype(np.uint8))
+    assert slots_out.tolist() == [4, 9, 2]
+    assert ids.tolist() == [[NOT_CAPTURED, 0]] * 4
 
 
 CPU_RUN = """
 import sys
 import numpy as np, torch
-from slotroute.capture import RoutedExpertsCapturer, check_and_narrow
+from slotroute.capture import RoutedExpertsCapturer, pack_snapshot
 from slotroute.spec import RoutingSpec
 cap = RoutedExpertsCapturer(RoutingSpec(num_layers=2, top_k=2, num_experts=16), max_num_tokens=4, device="cpu")
 for layer in range(2):
     cap.capture(layer, torch.full((4, 2), 3, dtype=torch.int32))
 assert cap.snapshot(4, np.arange(4)).result().routing_data.shape == (4, 2, 2)
-check_and_narrow(torch.zeros(4, dtype=torch.int32), torch.empty(4, dtype=torch.uint8), torch.zeros(1, dtype=torch.int32), 16)
+pack_snapshot(torch.zeros(4, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), torch.empty(4, dtype=torch.uint8),
+              torch.zeros(1, dtype=torch.int32), None, None, 16, True)
 print(sorted(name for name in sys.modules if name.split(".")[0] == "triton"))
 """
 
@@ -436,17 +443,33 @@ def test_a_cpu_capture_and_snapshot_never_import_triton():
 FUSED_KERNEL_CHECK = """
 import numpy as np, torch
 from slotroute import _capture_kernel
+from slotroute.capture import NOT_CAPTURED, PACK_BLOCK, pack_snapshot
 rng = np.random.default_rng(7)
-for num_experts, dtype in ((256, torch.uint8), (300, torch.int16)):
-    ids = rng.integers(0, num_experts, size=10_000, dtype=np.int32)
-    ids[[5, 4097, 9999]] = [num_experts, -1, 70_000]
-    src = torch.from_numpy(ids)
-    dst = torch.empty(src.shape, dtype=dtype)
-    bad = torch.full((1,), 2, dtype=torch.int32)
-    _capture_kernel.check_and_narrow(src, dst, bad, num_experts)
-    assert bad.item() == 2 + 3, bad.item()
-    ok = (ids >= 0) & (ids < num_experts)
-    np.testing.assert_array_equal(dst.numpy().view(np.uint8 if num_experts <= 256 else np.uint16)[ok], ids[ok])
+for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.int16, 3, 2)):
+    n, rows_in_buffer = 700, 900
+    before = torch.from_numpy(rng.integers(0, num_experts, size=rows_in_buffer * layers * top_k, dtype=np.int32))
+    before[[5, 4097, 2099]] = torch.tensor([num_experts, -1, 70_000], dtype=torch.int32)
+    fill = torch.full((layers * top_k,), NOT_CAPTURED, dtype=torch.int32)
+    fill[:top_k] = 0  # layer 0 dense
+    slots_in = torch.from_numpy(rng.integers(0, 10**6, size=n).astype(np.int32))
+    src = before[: n * layers * top_k].numpy()
+    ok = (src >= 0) & (src < num_experts)
+    for clear in (False, True):
+        ids = before.clone()
+        rows = torch.empty(n * layers * top_k, dtype=dtype)
+        counts = torch.full((-(-(n * layers * top_k) // PACK_BLOCK),), 99, dtype=torch.int32)
+        slots_out = torch.full((n,), -5, dtype=torch.int64)
+        _capture_kernel.pack_snapshot(ids, fill, rows, counts, slots_in, slots_out, num_experts, clear, PACK_BLOCK)
+        assert int(counts.sum()) == int((~ok).sum()) == 3, counts
+        np.testing.assert_array_equal(rows.numpy().view(np.uint8 if num_experts <= 256 else np.uint16)[ok], src[ok])
+        np.testing.assert_array_equal(slots_out.numpy(), slots_in.numpy())
+        cleared = np.broadcast_to(fill.numpy(), (rows_in_buffer, layers * top_k))
+        np.testing.assert_array_equal(ids.view(-1, layers * top_k).numpy(), cleared if clear else before.view(-1, layers * top_k).numpy())
+        # the torch ops of the fallback do the same
+        ids2, rows2, counts2, slots2 = before.clone(), torch.empty_like(rows), torch.empty_like(counts), torch.empty_like(slots_out)
+        pack_snapshot(ids2, fill, rows2, counts2, slots_in, slots2, num_experts, clear)
+        assert int(counts2.sum()) == 3
+        assert torch.equal(rows2, rows) and torch.equal(slots2, slots_out) and torch.equal(ids2, ids)
 print("fused kernel ok")
 """
 

@@ -43,20 +43,14 @@ def capture_step(cap, ids):
         cap.capture(layer, rows.long() if layer % 2 else rows)
 
 
-def poison(cap, num_tokens, blocks=4):
-    """Fill the device staging buffers, and pinned blocks the caching host allocator
-    will hand to the next snapshots of ``num_tokens``, with values a correct snapshot
-    overwrites (a nonzero count of bad ids fails ``result()`` if it is left there)."""
-    for stage in cap._stages:
-        stage.narrow.fill_(POISON_HOST)
-        stage.bad.fill_(777)
-        stage.slots.fill_(-7)
-    held = [capture._pinned_block(num_tokens, cap.spec.token_shape, cap._stages[0].narrow.dtype) for _ in range(blocks)]
-    for slots, bad, rows in held:
-        slots.fill_(-7)
-        bad.fill_(777)
-        rows.fill_(POISON_HOST)
-    torch.cuda.synchronize()  # dropping `held` returns the blocks to the allocator's cache
+def poison(cap, num_tokens=None):
+    """Fill every slot of the capturer's ring, device and pinned host buffers, with
+    values a correct snapshot overwrites (a nonzero count of bad ids fails ``result()``
+    if it is left there)."""
+    for slot in cap._ring:
+        slot.device.fill_(POISON_HOST)
+        slot.host.fill_(POISON_HOST)
+    torch.cuda.synchronize()
 
 
 def assert_snapshot_equals(lists, ids, slots, spec):
@@ -205,3 +199,84 @@ def test_zero_token_snapshot_is_empty_on_cuda(narrowing):
     lists = cap.snapshot(0, torch.zeros(0, dtype=torch.int64, device="cuda")).result()
     assert lists.routing_data.shape == (0, 61, 8)
     assert lists.slot_mapping.shape == (0,)
+
+
+def test_snapshots_reuse_the_ring_allocated_once(narrowing):
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=3)
+    ring = [(slot.device.data_ptr(), slot.host.data_ptr()) for slot in cap._ring]
+    for step in range(7):
+        ids = random_routing(DEEPSEEK, 300 + step, seed=200 + step)
+        capture_step(cap, ids)
+        slots = torch.arange(len(ids), device="cuda") + 1000 * step
+        pending = cap.snapshot(len(ids), slots)
+        assert pending._slot is cap._ring[step % 3]
+        assert_snapshot_equals(pending.result(), ids, slots, DEEPSEEK)
+    assert [(slot.device.data_ptr(), slot.host.data_ptr()) for slot in cap._ring] == ring
+
+
+def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):
+    """The runner's output copy stream: it waits for the compute stream, takes the one
+    copy, records a blocking event, and ``result()`` needs no wait of its own."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=2048, device="cuda", ring_depth=3)
+    poison(cap)
+    out_stream = torch.cuda.Stream()
+    in_flight = []
+    for step in range(8):
+        ids = random_routing(DEEPSEEK, 2048 - 64 * step, seed=300 + step)
+        capture_step(cap, ids)
+        slots = torch.randperm(10 * len(ids), device="cuda")[: len(ids)]
+        pending = cap.snapshot(len(ids), slots, clear=True, defer_copy=True)
+        out_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(out_stream):
+            pending.enqueue_copy()
+            copied = torch.cuda.Event(blocking=True)
+            copied.record(out_stream)
+        in_flight.append((pending, copied, ids, slots.clone()))
+        if len(in_flight) == 2:  # two steps in flight, as vLLM's async scheduling keeps them
+            pending, copied, ids, expected = in_flight.pop(0)
+            copied.synchronize()
+            assert_snapshot_equals(pending.result(), ids, expected, DEEPSEEK)
+    for pending, copied, ids, expected in in_flight:
+        copied.synchronize()
+        assert_snapshot_equals(pending.result(), ids, expected, DEEPSEEK)
+
+
+def test_deferred_snapshots_beyond_the_ring_get_buffers_of_their_own(narrowing):
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=256, device="cuda", ring_depth=2)
+    steps = []
+    for step in range(5):  # none resolved: slots stay held, later steps allocate
+        ids = random_routing(DEEPSEEK, 256, seed=400 + step)
+        capture_step(cap, ids)
+        slots = torch.arange(256, device="cuda") * (step + 2)
+        pending = cap.snapshot(256, slots, defer_copy=True)
+        pending.enqueue_copy()
+        steps.append((pending, ids, slots))
+    assert sum(pending._slot in cap._ring for pending, _, _ in steps) == 2
+    torch.cuda.synchronize()
+    for pending, ids, slots in steps:
+        assert_snapshot_equals(pending.result(), ids, slots, DEEPSEEK)
+
+
+def test_a_deferred_snapshot_whose_copy_nobody_enqueued_copies_when_resolved(narrowing):
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=64, device="cuda")
+    ids = random_routing(DEEPSEEK, 64, seed=9)
+    capture_step(cap, ids)
+    slots = torch.arange(64, device="cuda")
+    assert_snapshot_equals(cap.snapshot(64, slots, defer_copy=True).result(), ids, slots, DEEPSEEK)
+
+
+def test_clearing_snapshot_leaves_the_buffer_cleared_with_dense_layers_at_zero(narrowing):
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=128, device="cuda", dense_layers=[0, 1, 2])
+    assert (cap.device_buffer[:, :3] == 0).all() and (cap.device_buffer[:, 3:] == NOT_CAPTURED).all()
+    ids = random_routing(DEEPSEEK, 100, seed=11)
+    ids[:, :3] = 0
+    for layer in range(3, DEEPSEEK.num_layers):
+        cap.capture(layer, ids[:, layer])
+    lists = cap.snapshot(100, torch.arange(100, device="cuda"), clear=True).result()
+    np.testing.assert_array_equal(lists.routing_data, ids.cpu().numpy().astype(np.uint8))
+    assert (cap.device_buffer[:, :3] == 0).all() and (cap.device_buffer[:, 3:] == NOT_CAPTURED).all()
+    # the next step: a layer that captures nothing fails the check
+    for layer in range(3, DEEPSEEK.num_layers - 1):
+        cap.capture(layer, ids[:50, layer])
+    with pytest.raises(ValueError, match=rf"{50 * 8} expert id"):
+        cap.snapshot(50, torch.arange(50, device="cuda"), clear=True).result()

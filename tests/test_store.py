@@ -615,6 +615,53 @@ def test_get_returns_a_copy_that_later_writes_do_not_change():
     assert mgr.stats().slots_written == 0
 
 
+def test_get_writes_into_out_and_returns_it():
+    mgr = make(num_blocks=8, block_size=4)
+    data = routing(mgr.spec, 12)
+    mgr.store_batch(data, np.arange(12) + 8)
+    whole = np.full((9, *mgr.spec.token_shape), 7, dtype=mgr.spec.storage_dtype)
+    got = mgr.get([2, 3, 4], 11, 5, out=whole[3:])  # a tail of a larger array, as a caller assembles one
+    assert got is not None and np.shares_memory(got, whole)
+    np.testing.assert_array_equal(whole[3:], data[5:11])
+    assert (whole[:3] == 7).all()
+
+
+@pytest.mark.parametrize(
+    "out, match",
+    [
+        (np.zeros((5, 2, 3), dtype=np.uint8), r"shape \(6, 2, 3\), got uint8 of shape \(5, 2, 3\)"),
+        (np.zeros((6, 2, 3), dtype=np.int32), r"uint8 array of shape \(6, 2, 3\), got int32"),
+        (np.zeros((6, 3, 2), dtype=np.uint8).transpose(0, 2, 1), "not C-contiguous"),
+        ([[0]], "got list"),
+    ],
+)
+def test_get_refuses_an_out_it_cannot_fill_and_writes_nothing(out, match):
+    mgr = make(num_blocks=8, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 12), np.arange(12) + 8)
+    before = mgr.routed_experts_by_slot.copy(), mgr.stats()
+    with pytest.raises(ValueError, match=match):
+        mgr.get([2, 3, 4], 11, 5, out=out)
+    np.testing.assert_array_equal(mgr.routed_experts_by_slot, before[0])
+    assert mgr.stats() == before[1]
+
+
+def test_get_refuses_a_read_only_out():
+    mgr = make(num_blocks=8, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 4), np.arange(4))
+    out = np.zeros((4, *mgr.spec.token_shape), dtype=mgr.spec.storage_dtype)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        mgr.get([0], 4, out=out)
+
+
+def test_get_into_out_raises_for_missing_rows_as_without_it():
+    mgr = make(num_blocks=8, block_size=4)
+    mgr.store_batch(routing(mgr.spec, 6), [0, 1, 2, 3, 4, 6])
+    out = np.empty((9, *mgr.spec.token_shape), dtype=mgr.spec.storage_dtype)
+    with pytest.raises(MissingRoutingError, match=r"tokens 5, 7-8"):
+        mgr.get([0, 1, 2], 9, out=out)
+
+
 def test_get_raises_for_never_written_slots_naming_the_tokens():
     mgr = make(num_blocks=8, block_size=4)
     mgr.store_batch(routing(mgr.spec, 6), [0, 1, 2, 3, 4, 6])

@@ -1,30 +1,49 @@
-"""The fused check-and-narrow pass of a CUDA snapshot, in Triton.
+"""The one kernel of a CUDA snapshot, in Triton.
 
-:func:`slotroute.capture.check_and_narrow` imports this module on its first call with a
+:func:`slotroute.capture.pack_snapshot` imports this module on its first call with a
 CUDA tensor, so that CPU runs (the demo, the tests, the CPU server) never import Triton.
 """
 
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+@triton.jit(do_not_specialize=["numel", "clear_numel", "num_slots"])
+def _pack_kernel(
+    ids, fill, rows, counts, slots_in, slots_out, numel, clear_numel, row_elems, num_slots, num_experts,
+    COPY_SLOTS: tl.constexpr, CLEAR: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Program p: ids [p * BLOCK, (p + 1) * BLOCK) narrowed into `rows`, its count of ids
+    # outside [0, num_experts) into counts[p] (every counting program writes its own
+    # entry: nothing to zero first); the same span of the capture buffer refilled from
+    # `fill` (one token's pattern); the same span of the slot mapping copied as int64.
+    # Bounded by memory bandwidth.
+    pid = tl.program_id(0)
+    offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    if pid.to(tl.int64) * BLOCK < numel:
+        inside = offsets < numel
+        found = tl.load(ids + offsets, mask=inside, other=0)
+        tl.store(rows + offsets, found.to(rows.dtype.element_ty), mask=inside)
+        tl.store(counts + pid, tl.sum(((found < 0) | (found >= num_experts)).to(tl.int32), axis=0))
+    if CLEAR:
+        # After the load above, in program order on the same addresses: it read the ids first.
+        cleared = offsets < clear_numel
+        tl.store(ids + offsets, tl.load(fill + offsets % row_elems, mask=cleared, other=0), mask=cleared)
+    if COPY_SLOTS:
+        copied = offsets < num_slots
+        tl.store(slots_out + offsets, tl.load(slots_in + offsets, mask=copied, other=0).to(tl.int64), mask=copied)
 
 
-@triton.jit
-def _check_and_narrow_kernel(src, dst, bad, numel, num_experts, BLOCK: tl.constexpr):
-    # One read of the int32 ids, one write in the storage dtype, and a count of ids
-    # outside [0, num_experts) added to *bad. Bounded by memory bandwidth.
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < numel
-    ids = tl.load(src + offsets, mask=inside, other=0)
-    tl.store(dst + offsets, ids.to(dst.dtype.element_ty), mask=inside)
-    count = tl.sum(((ids < 0) | (ids >= num_experts)).to(tl.int32), axis=0)
-    if count > 0:
-        tl.atomic_add(bad, count)
-
-
-def check_and_narrow(src, dst, bad, num_experts: int) -> None:
-    """Launch the kernel over ``src`` on the current stream (arguments as
-    :func:`slotroute.capture.check_and_narrow` takes them)."""
-    numel = src.numel()
-    _check_and_narrow_kernel[(triton.cdiv(numel, BLOCK),)](src, dst, bad, numel, num_experts, BLOCK=BLOCK)
+def pack_snapshot(ids, fill, rows, counts, slots_in, slots_out, num_experts: int, clear: bool, block: int) -> None:
+    """Launch the kernel on the current stream (arguments as
+    :func:`slotroute.capture.pack_snapshot` takes them; ``block`` ids per program)."""
+    numel = rows.numel()
+    clear_numel = ids.numel() if clear else 0
+    num_slots = 0 if slots_out is None else slots_out.numel()
+    span = max(numel, clear_numel, num_slots)
+    if span == 0:
+        return
+    _pack_kernel[(triton.cdiv(span, block),)](
+        ids, fill, rows, counts, rows if slots_in is None else slots_in, counts if slots_out is None else slots_out,
+        numel, clear_numel, fill.numel(), num_slots, num_experts,
+        COPY_SLOTS=slots_out is not None, CLEAR=clear, BLOCK=block,
+    )

@@ -150,7 +150,7 @@ def _locate(rows: int, layout: BatchLayout) -> tuple[int, int, bool]:
 
 @functools.cache
 def _fused_kernel():
-    """:mod:`slotroute._capture_kernel`, the Triton pass of :func:`check_and_narrow`,
+    """:mod:`slotroute._capture_kernel`, the Triton kernel of :func:`pack_snapshot`,
     imported on the first CUDA snapshot so that CPU runs never import Triton; ``None``
     where Triton is missing (it ships with the CUDA builds of torch)."""
     try:
@@ -160,63 +160,87 @@ def _fused_kernel():
     return _capture_kernel
 
 
-def check_and_narrow(src: torch.Tensor, dst: torch.Tensor, bad: torch.Tensor, num_experts: int) -> None:
-    """Write ``src`` (int32 ids) into ``dst`` (storage dtype) and add the number of ids
-    outside ``[0, num_experts)`` to ``bad`` (one int32), on the current stream.
+# Ids each program of the snapshot kernel checks: one count of bad ids per PACK_BLOCK ids.
+PACK_BLOCK = 4096
 
-    One fused pass where Triton is available, else a cast and a count in torch. Neither
-    reads anything back to the host. ``src`` and ``dst`` are contiguous and the same size.
+
+def pack_snapshot(
+    ids: torch.Tensor,
+    fill: torch.Tensor,
+    rows: torch.Tensor,
+    counts: torch.Tensor,
+    slots_in: torch.Tensor | None,
+    slots_out: torch.Tensor | None,
+    num_experts: int,
+    clear: bool,
+) -> None:
+    """One step's snapshot on the device, on the current stream, reading nothing back.
+
+    ``rows`` (1-D, storage dtype) receives the first ``rows.numel()`` of ``ids`` (the
+    flat int32 capture buffer) narrowed; ``counts[p]`` (int32, ``ceil(rows.numel() /
+    PACK_BLOCK)`` entries) the number of ids outside ``[0, num_experts)`` among ids
+    ``[p * PACK_BLOCK, (p + 1) * PACK_BLOCK)``; ``slots_out`` (int64), where given, a
+    copy of ``slots_in``; and with ``clear`` every id of ``ids`` is then refilled from
+    ``fill`` (one token's ``num_layers * top_k`` pattern, repeated). One fused kernel
+    where Triton is available, else torch ops to the same effect.
     """
-    kernel = _fused_kernel() if src.is_cuda else None
+    kernel = _fused_kernel() if ids.is_cuda else None
     if kernel is not None:
-        kernel.check_and_narrow(src, dst, bad, num_experts)
+        kernel.pack_snapshot(ids, fill, rows, counts, slots_in, slots_out, num_experts, clear, PACK_BLOCK)
         return
-    dst.copy_(src)
-    bad += ((src < 0) | (src >= num_experts)).sum(dtype=torch.int32)
+    n = rows.numel()
+    src = ids[:n]
+    rows.copy_(src)
+    counts.zero_()
+    if n:
+        counts[0] = ((src < 0) | (src >= num_experts)).sum(dtype=torch.int32)
+    if slots_out is not None:
+        slots_out.copy_(slots_in)
+    if clear:
+        ids.view(-1, fill.numel()).copy_(fill.view(1, -1).expand(ids.numel() // fill.numel(), -1))
 
 
-class _Staging:
-    """One of the capturer's two device staging buffers (CUDA only): a step's rows in
-    the storage dtype, its count of out-of-range ids and its slot mapping, which the
-    copy stream reads while the next step runs.
+class _RingSlot:
+    """One entry of the capturer's snapshot ring (CUDA, TP rank 0), allocated once: the
+    packed device buffer the snapshot kernel writes, the pinned host buffer the step's
+    one device-to-host copy fills, and two events made once: ``ready`` orders a copy on
+    the capturer's own stream after the kernel, ``copied`` (blocking: the host sleeps
+    on it) follows that copy. ``holder`` is the unresolved snapshot using the slot."""
 
-    ``last_read`` is the event after the last copy out of this buffer; the compute
-    stream waits for it before writing here again.
-    """
+    __slots__ = ("device", "host", "host_np", "ready", "copied", "holder")
 
-    __slots__ = ("narrow", "bad", "slots", "ready", "last_read")
-
-    def __init__(self, max_num_tokens: int, token_shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
-        self.narrow = torch.empty((max_num_tokens, *token_shape), dtype=dtype, device=device)
-        self.bad = torch.zeros(1, dtype=torch.int32, device=device)
-        self.slots = torch.empty(max_num_tokens, dtype=torch.int64, device=device)
+    def __init__(self, nbytes: int, device: torch.device):
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_np = self.host.numpy()
         self.ready = torch.cuda.Event()
-        self.last_read: torch.cuda.Event | None = None
+        self.copied = torch.cuda.Event(blocking=True)
+        self.holder: PendingSnapshot | None = None
 
 
-def _pinned_block(num_tokens: int, token_shape: tuple[int, int], dtype: torch.dtype):
-    """``(slots int64 (n,), bad int32 (1,), rows (n, L, K))``: views of one allocation
-    from torch's caching host allocator, which hands a block out again only after its
-    last asynchronous copy finished and every view of it was dropped."""
-    row_bytes = token_shape[0] * token_shape[1] * dtype.itemsize
-    block = torch.empty(8 * num_tokens + 8 + num_tokens * row_bytes, dtype=torch.uint8, pin_memory=True)
-    slots = block[: 8 * num_tokens].view(torch.int64)
-    bad = block[8 * num_tokens : 8 * num_tokens + 4].view(torch.int32)
-    rows = block[8 * num_tokens + 8 :].view(dtype).view(num_tokens, *token_shape)
-    return slots, bad, rows
+def _packed_layout(num_tokens: int, row_bytes: int, row_ids: int, device_slots: bool) -> tuple[int, int, int, int]:
+    """Byte offsets in a packed snapshot of ``num_tokens`` tokens: the end of its rows,
+    the start of its int64 slots (where the slot mapping is on the device), the start
+    of its int32 counts of bad ids, and its total size."""
+    rows_end = num_tokens * row_bytes
+    slots_at = -(-rows_end // 8) * 8
+    counts_at = slots_at + (8 * num_tokens if device_slots else 0)
+    return rows_end, slots_at, counts_at, counts_at + 4 * -(-(num_tokens * row_ids) // PACK_BLOCK)
 
 
 class PendingSnapshot:
     """One step's routing on its way to the host; :meth:`result` waits for it.
 
-    It owns the pinned host memory its copy lands in, so it stays valid however many
-    later snapshots are taken before :meth:`result`. The first :meth:`result` call
-    resolves it; later calls return the same object (or raise the same error). Made by
-    :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
+    On CUDA it holds a slot of the capturer's ring until it is resolved, then copies
+    its rows out, so that its result owns its memory however many later snapshots are
+    taken. The first :meth:`result` call resolves it; later calls return the same
+    object (or raise the same error). Made by :meth:`RoutedExpertsCapturer.snapshot`,
+    not constructed directly.
     """
 
     __slots__ = (
-        "_spec", "_num_tokens", "_copied", "_rows", "_bad", "_slots", "_arrays", "_result", "_error", "_failed_slots"
+        "_spec", "_num_tokens", "_slot", "_layout", "_host_slots", "_own_stream", "_copy_enqueued",
+        "_arrays", "_result", "_error", "_failed_slots",
     )
 
     def __init__(
@@ -225,22 +249,41 @@ class PendingSnapshot:
         num_tokens: int,
         arrays: tuple[np.ndarray, np.ndarray] | None = None,
         error: Exception | None = None,
-        copied: torch.cuda.Event | None = None,
-        pinned: tuple[torch.Tensor | np.ndarray, torch.Tensor, torch.Tensor] | None = None,
         failed_slots: np.ndarray | None = None,
+        slot: _RingSlot | None = None,
+        layout: tuple[int, int, int, int] | None = None,
+        host_slots: np.ndarray | None = None,
+        own_stream: bool = True,
     ):
         self._spec = spec
-        self._failed_slots = failed_slots
         self._num_tokens = num_tokens
         self._arrays = arrays
-        self._result = None
         self._error = error
-        self._copied = copied
-        self._slots, self._bad, self._rows = pinned if pinned is not None else (None, None, None)
+        self._failed_slots = failed_slots
+        self._result = None
+        self._slot = slot
+        self._layout = layout
+        self._host_slots = host_slots
+        self._own_stream = own_stream
+        self._copy_enqueued = own_stream
+
+    def enqueue_copy(self) -> None:
+        """Enqueue the step's one device-to-host copy on the current stream, for a
+        snapshot taken with ``defer_copy=True``: call it on a stream ordered after the
+        one that took the snapshot (vLLM's output copy stream, which waits for its
+        main stream), and synchronise that stream, or an event recorded on it after
+        this call, before :meth:`result`. A no-op for any other snapshot.
+        Bounded by one copy launch."""
+        if self._slot is None or self._copy_enqueued:
+            return
+        total = self._layout[3]
+        if total:
+            self._slot.host[:total].copy_(self._slot.device[:total], non_blocking=True)
+        self._copy_enqueued = True
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting. Never blocks."""
-        return self._copied is None or self._copied.query()
+        return self._slot is None or not self._own_stream or self._slot.copied.query()
 
     def result(self) -> RoutedExpertsLists | None:
         """Wait for the copy and return the step's routing.
@@ -250,15 +293,18 @@ class PendingSnapshot:
         RoutedExpertsLists or None
             ``routing_data`` of shape ``(num_tokens, num_layers, top_k)`` in the spec's
             storage dtype and ``slot_mapping`` (int64) of shape ``(num_tokens,)``:
-            numpy arrays over host memory that belongs to this result alone (on CUDA,
-            views of its pinned block, no copy; on CPU, copies). No later step
-            writes them. ``None`` on a TP rank other than 0, which ships nothing.
+            numpy arrays over host memory that belongs to this result alone (copies:
+            no later step writes them). ``None`` on a TP rank other than 0, which
+            ships nothing.
 
         Raises
         ------
         ValueError
             If an expert id is outside ``[0, num_experts)``, including ``-1`` for a
-            (token, layer) that no ``capture()`` wrote since ``clear_buffer()``.
+            (token, layer) that no ``capture()`` wrote since the buffer was cleared.
+
+        A snapshot taken with ``defer_copy=True`` whose :meth:`enqueue_copy` was not
+        called copies now on the current stream and waits for it.
         """
         arrays = self.arrays()
         if arrays is not None and self._result is None:
@@ -269,7 +315,7 @@ class PendingSnapshot:
         """:meth:`result` as its two arrays ``(routing_data, slot_mapping)``, without
         building the struct: what a caller that wraps them in its own type needs.
         Same waiting, same arrays, same errors."""
-        if self._copied is not None:
+        if self._slot is not None:
             self._resolve()
         if self._error is not None:
             raise self._error
@@ -278,21 +324,37 @@ class PendingSnapshot:
     def failed_slots(self) -> np.ndarray | None:
         """The KV slots of the step (int64) if :meth:`result` raised, so that a caller
         can drop what the step would have written; ``None`` otherwise."""
-        if self._copied is not None:
+        if self._slot is not None:
             self._resolve()
         return self._failed_slots if self._error is not None else None
 
     def _resolve(self) -> None:
-        self._copied.synchronize()  # the pipeline's only host wait
-        bad = int(self._bad[0])
-        data = self._rows.numpy().view(self._spec.storage_dtype)
-        slots = self._slots if isinstance(self._slots, np.ndarray) else self._slots.numpy()
+        # Bounded by the wait for the copy (the pipeline's only host wait, on a blocking
+        # event, and none where the caller synchronised its own stream) and one memcpy
+        # of the step's bytes out of the ring.
+        slot = self._slot
+        if not self._copy_enqueued:  # deferred, and nobody enqueued the copy: do it now and wait
+            with torch.cuda.device(slot.device.device):
+                self.enqueue_copy()
+                torch.cuda.current_stream().synchronize()
+        elif self._own_stream:
+            slot.copied.synchronize()
+        spec, n = self._spec, self._num_tokens
+        rows_end, slots_at, counts_at, total = self._layout
+        host = slot.host_np
+        data = np.empty((n, *spec.token_shape), dtype=spec.storage_dtype)
+        data.reshape(-1)[...] = host[:rows_end].view(spec.storage_dtype)
+        slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64).copy()
+        counts = host[counts_at:total].view(np.int32)
+        bad = int(counts.sum()) if counts.any() else 0
+        if slot.holder is self:
+            slot.holder = None
+        self._slot = self._layout = self._host_slots = None
         if bad:
-            self._error = _range_error(self._spec, self._num_tokens, bad, data, slots)
-            self._failed_slots = slots.astype(np.int64)
+            self._error = _range_error(spec, n, bad, data, slots)
+            self._failed_slots = slots
         else:
             self._arrays = (data, slots)
-        self._copied = self._rows = self._bad = self._slots = None
 
 
 def _range_error(
@@ -337,11 +399,21 @@ class RoutedExpertsCapturer:
     tp_group
         The tensor-parallel process group: needed for sequence-parallel layouts, and
         to know this rank's TP rank (0 without a group).
+    dense_layers
+        Layers no router writes (dense MLP layers, numbered among the decoder
+        layers): the buffer holds 0 there, a valid id, where other layers hold
+        ``NOT_CAPTURED`` until a capture writes them.
+    ring_depth
+        Snapshots a CUDA capturer keeps in flight in its ring of packed device and
+        pinned host buffers, allocated once; a snapshot taken while every slot is in
+        flight waits for the oldest (own-stream copies) or gets a buffer of its own
+        (deferred copies). vLLM's runners need their ``max_concurrent_batches`` + 1.
 
     Raises
     ------
     ValueError
-        If ``max_num_tokens`` is not positive or the device is neither CPU nor CUDA.
+        If ``max_num_tokens`` or ``ring_depth`` is not positive, the device is neither
+        CPU nor CUDA, or a dense layer is outside ``[0, num_layers)``.
     """
 
     def __init__(
@@ -350,17 +422,27 @@ class RoutedExpertsCapturer:
         max_num_tokens: int,
         device: torch.device | str,
         tp_group: dist.ProcessGroup | None = None,
+        dense_layers: Sequence[int] = (),
+        ring_depth: int = 3,
     ):
         if isinstance(max_num_tokens, bool) or int(max_num_tokens) != max_num_tokens or max_num_tokens <= 0:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
+        if isinstance(ring_depth, bool) or int(ring_depth) != ring_depth or ring_depth <= 0:
+            raise ValueError(f"ring_depth must be a positive int, got {ring_depth!r}")
         device = torch.device(device)
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or a CUDA device, got {device}")
+        dense = sorted({int(layer) for layer in dense_layers})
+        if dense and not (0 <= dense[0] and dense[-1] < spec.num_layers):
+            raise ValueError(f"dense_layers must be in [0, {spec.num_layers}) (num_layers), got {dense}")
         self._spec = spec
         self._max_num_tokens = int(max_num_tokens)
-        self._buffer = torch.full(
-            (self._max_num_tokens, *spec.token_shape), NOT_CAPTURED, dtype=torch.int32, device=device
-        )
+        # One token's cleared row: NOT_CAPTURED where a router writes, 0 in dense layers.
+        fill = torch.full(spec.token_shape, NOT_CAPTURED, dtype=torch.int32)
+        fill[dense] = 0
+        self._fill = fill.reshape(-1).to(device)
+        self._buffer = torch.empty((self._max_num_tokens, *spec.token_shape), dtype=torch.int32, device=device)
+        self._buffer.copy_(fill.to(device).expand_as(self._buffer))
         self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
         # One view per layer, made once: capture() then slices a single dimension.
         self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
@@ -375,12 +457,15 @@ class RoutedExpertsCapturer:
         self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
         self._gather_into_tensor = tp_group is not None and dist.get_backend(tp_group) != "gloo"
         self._copy_stream = None
-        self._stages: list[_Staging] = []
-        self._next_stage = 0
+        self._ring: list[_RingSlot] = []
+        self._next_slot = 0
+        self._row_ids = spec.num_layers * spec.top_k
+        self._row_bytes = self._row_ids * spec.storage_dtype.itemsize
         if self._device.type == "cuda" and self._tp_rank == 0:
-            narrow = _TORCH_STORAGE[spec.storage_dtype]
+            self._narrow = _TORCH_STORAGE[spec.storage_dtype]
             self._copy_stream = torch.cuda.Stream(self._device)
-            self._stages = [_Staging(self._max_num_tokens, spec.token_shape, narrow, self._device) for _ in range(2)]
+            capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
+            self._ring = [_RingSlot(capacity, self._device) for _ in range(int(ring_depth))]
 
     @property
     def spec(self) -> RoutingSpec:
@@ -425,12 +510,14 @@ class RoutedExpertsCapturer:
         return self._buffer
 
     def clear_buffer(self) -> None:
-        """Fill the capture buffer with ``NOT_CAPTURED`` (-1), on the current stream.
+        """Fill the capture buffer with ``NOT_CAPTURED`` (-1), 0 in ``dense_layers``, on
+        the current stream (one kernel).
 
         A snapshot of rows some layer did not write afterwards fails its range check,
-        so calling this before a step turns a missed capture into an error.
+        so calling this before a step turns a missed capture into an error; on CUDA a
+        snapshot with ``clear=True`` does the same for the next step in its own kernel.
         """
-        self._buffer.fill_(NOT_CAPTURED)
+        self._buffer.view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(self._max_num_tokens, -1))
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> int:
         """Write one MoE layer's routing of this rank's tokens into the buffer.
@@ -495,19 +582,28 @@ class RoutedExpertsCapturer:
             dist.all_gather(list(gathered.chunk(tp_size)), shard, group=self._tp_group)
         return gathered
 
-    def snapshot(self, num_tokens: int, slot_mapping: torch.Tensor | np.ndarray) -> PendingSnapshot:
+    def snapshot(
+        self,
+        num_tokens: int,
+        slot_mapping: torch.Tensor | np.ndarray,
+        clear: bool = False,
+        defer_copy: bool = False,
+    ) -> PendingSnapshot:
         """Start shipping the first ``num_tokens`` rows of the buffer and their KV slots.
 
-        On CUDA this never waits for the device. Enqueued on the current stream (the
-        one that ran the forward): one pass checks every id against
-        ``[0, num_experts)`` and casts it to the storage dtype into one of two device
-        staging buffers, and a device ``slot_mapping`` is copied beside it. A dedicated
-        copy stream, ordered after those kernels by an event, moves both into a pinned
-        host block that belongs to the returned pending result. The next step may
-        overwrite the capture buffer and ``slot_mapping`` at once: the staging copies
-        come before its kernels on the same stream. Any number of snapshots may be in
-        flight: each has its own host block, and a staging buffer is rewritten only
-        after the device finished copying out of it (a device-side wait).
+        On CUDA this never waits for the device. One kernel, enqueued on the current
+        stream (the one that ran the forward), checks every id against
+        ``[0, num_experts)``, casts it to the storage dtype and writes it, the count of
+        bad ids and a device ``slot_mapping`` into one packed buffer of the capturer's
+        ring; with ``clear`` the same kernel then clears the capture buffer as
+        :meth:`clear_buffer` does, so the next step's missed capture is found. One
+        device-to-host copy moves the packed buffer into the ring slot's pinned host
+        buffer: on the capturer's copy stream, ordered after the kernel by the slot's
+        event, or, with ``defer_copy``, on the caller's stream when it calls
+        ``PendingSnapshot.enqueue_copy`` (a runner's own output copy stream, whose
+        synchronisation then covers it). The next step may overwrite the capture
+        buffer and ``slot_mapping`` at once: the kernel reads them before its kernels
+        on the same stream. Any number of snapshots may be in flight (NOTE 1).
 
         On CPU the work is done before returning; the API is the same.
 
@@ -518,6 +614,10 @@ class RoutedExpertsCapturer:
         slot_mapping
             The KV-cache slot of every row, shape ``(num_tokens,)``, integer: a numpy
             array, a CPU tensor (both copied now) or a tensor on the buffer's device.
+        clear
+            Clear the whole capture buffer once its rows are read.
+        defer_copy
+            Leave the device-to-host copy to ``PendingSnapshot.enqueue_copy`` (CUDA).
 
         Returns
         -------
@@ -554,11 +654,17 @@ class RoutedExpertsCapturer:
         if shape != (n,) or not dtype_ok:
             raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
         if self._tp_rank != 0:
+            if clear:
+                self.clear_buffer()
             return PendingSnapshot(self._spec, n)
         if self._host is not None:
-            return self._snapshot_now(n, host_slots)
+            pending = self._snapshot_now(n, host_slots)
+            if clear:
+                self.clear_buffer()
+            return pending
         # astype always copies: the caller may reuse its array next step
-        return self._snapshot_async(n, slot_mapping, None if on_device else host_slots.astype(np.int64))
+        host_slots = None if on_device else host_slots.astype(np.int64)
+        return self._snapshot_async(n, slot_mapping if on_device else None, host_slots, clear, defer_copy)
 
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
         # Bounded by one pass over n * num_layers * top_k int32s; for the small steps
@@ -581,38 +687,58 @@ class RoutedExpertsCapturer:
             return PendingSnapshot(spec, n, error=_range_error(spec, n, bad, ids, owned), failed_slots=owned)
         return PendingSnapshot(spec, n, arrays=(data, owned))
 
-    def _snapshot_async(self, n: int, slot_mapping: torch.Tensor, host_slots: np.ndarray | None) -> PendingSnapshot:
-        # Host cost: a pinned block from torch's cache and a handful of launches; device
-        # cost: one pass over the int32 rows (memory bandwidth) and a D2H of the narrow
-        # bytes (host-link bandwidth).
-        stage = self._stages[self._next_stage]
-        self._next_stage ^= 1
-        slots, bad, rows = _pinned_block(n, self._token_shape, stage.narrow.dtype)
+    def _snapshot_async(
+        self, n: int, slot_mapping: torch.Tensor | None, host_slots: np.ndarray | None, clear: bool, defer: bool
+    ) -> PendingSnapshot:
+        # Host cost: one kernel launch and, with the capturer's own stream, two event
+        # records, a stream wait and one copy launch; nothing is allocated. Device
+        # cost: one pass over the int32 rows (memory bandwidth; over the whole buffer
+        # with `clear`) and one D2H of the narrow bytes (host-link bandwidth).
+        layout = _packed_layout(n, self._row_bytes, self._row_ids, slot_mapping is not None)
+        rows_end, slots_at, counts_at, total = layout
+        slot = self._acquire_slot(total)
+        packed = slot.device
         with torch.cuda.device(self._device):
-            compute = torch.cuda.current_stream()
-            if stage.last_read is not None:
-                # NOTE 1: the copy out of this staging buffer two snapshots ago may still
-                # run; the device waits for it, the host does not.
-                compute.wait_event(stage.last_read)
-            stage.bad.zero_()
-            if n:
-                check_and_narrow(self._buffer[:n], stage.narrow[:n], stage.bad, self._spec.num_experts)
-            if host_slots is None:
-                stage.slots[:n].copy_(slot_mapping)
-            stage.ready.record(compute)
-            # NOTE 2: the copy stream reads only staging memory, written by the kernels
-            # just enqueued on `compute`. Kernels enqueued there later (the next step
-            # overwriting the capture buffer and slot_mapping) run after those, so they
-            # cannot tear this snapshot, whatever the copy stream is doing.
-            self._copy_stream.wait_event(stage.ready)
-            with torch.cuda.stream(self._copy_stream):
-                rows.copy_(stage.narrow[:n], non_blocking=True)
-                bad.copy_(stage.bad, non_blocking=True)
-                if host_slots is None:
-                    slots.copy_(stage.slots[:n], non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self._copy_stream)
-        stage.last_read = copied
-        return PendingSnapshot(
-            self._spec, n, copied=copied, pinned=(slots if host_slots is None else host_slots, bad, rows)
-        )
+            pack_snapshot(
+                self._buffer.view(-1), self._fill, packed[:rows_end].view(self._narrow),
+                packed[counts_at:total].view(torch.int32), slot_mapping,
+                None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
+                self._spec.num_experts, clear,
+            )
+            pending = PendingSnapshot(
+                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer
+            )
+            if slot in self._ring:
+                slot.holder = pending
+            if not defer:
+                # NOTE 2: the copy stream reads only the slot's packed buffer, written by
+                # the kernel just enqueued on the compute stream; kernels enqueued there
+                # later (the next step overwriting the capture buffer and slot_mapping)
+                # cannot tear this snapshot.
+                slot.ready.record(torch.cuda.current_stream())
+                self._copy_stream.wait_event(slot.ready)
+                with torch.cuda.stream(self._copy_stream):
+                    if total:
+                        slot.host[:total].copy_(packed[:total], non_blocking=True)
+                    slot.copied.record(self._copy_stream)
+        return pending
+
+    def _acquire_slot(self, nbytes: int) -> _RingSlot:
+        """The next slot of the ring, for a snapshot of ``nbytes`` packed bytes.
+
+        NOTE 1: a slot is free once the snapshot that held it was resolved, which
+        happens only after its copy completed (its rows are then copied out). One
+        still held by an own-stream snapshot is freed by resolving that snapshot (a
+        host wait on its blocking event; its result keeps its rows). One held by a
+        deferred snapshot, whose copy this capturer cannot wait for, is left alone:
+        the step gets buffers of its own, allocated now. A runner whose steps in
+        flight are fewer than the ring's slots never takes either branch.
+        """
+        slot = self._ring[self._next_slot]
+        holder = slot.holder
+        if holder is not None:
+            if not holder._own_stream:
+                return _RingSlot(max(nbytes, 1), self._device)
+            holder._resolve()
+        self._next_slot = (self._next_slot + 1) % len(self._ring)
+        return slot

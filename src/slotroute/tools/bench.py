@@ -18,6 +18,11 @@ Workloads (block_size 16):
   twice the last-level cache where that is larger).
 - one-token store: a decode step of a single request.
 - encode + decode of an 8192-token step in the storage dtype.
+- scheduler read: one decode step's reads of the scheduler on vLLM 0.31+ for 256
+  running requests (8 to 64 blocks each, shuffled over the pool): the rows each
+  request emits, read from the step's payload (``ConnectorRouting``'s path, NOTE 2
+  there) and, for reference, one store read per request (the path it replaced) and one
+  numpy fancy index of the same rows.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "VllmBaseline",
     "add_arguments",
     "make_get_workload",
+    "make_scheduler_read_workload",
     "make_store_workload",
     "run",
     "warm_up",
@@ -173,6 +179,75 @@ def filled(store, workload: GetWorkload, seed: int = 0):
         n = min(step, slots - start)
         store.store_batch(data[:n], np.arange(start, start + n, dtype=np.int64))
     return store
+
+
+@dataclass
+class SchedulerReadWorkload:
+    """One decode step of ``requests`` running requests, stored in a connector's store:
+    each request's id, block list and position of its token in this step."""
+
+    spec: RoutingSpec
+    routing: object  # slotroute.vllm.connector.ConnectorRouting
+    step: object  # stand-ins of vLLM's SchedulerOutput and of the step's payload
+    payload: RoutedExpertsLists
+    req_ids: list[str]
+    positions: list[int]
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.req_ids) * self.spec.bytes_per_token
+
+
+def make_scheduler_read_workload(
+    spec: RoutingSpec, requests: int = 256, block_size: int = BLOCK_SIZE, seed: int = 0
+) -> SchedulerReadWorkload:
+    """A ``ConnectorRouting`` over a store whose requests each hold 8 to 64 shuffled
+    blocks, with one decode step of all of them stored. vLLM's KV blocks, its
+    coordinator and scheduler output enter as plain objects with the attributes the
+    connector reads (``block_id``, ``req_to_blocks``, ``num_scheduled_tokens``...)."""
+    from types import SimpleNamespace
+
+    from slotroute.vllm.connector import ConnectorRouting
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(8, 65, requests)
+    blocks = np.split(rng.permutation(int(lengths.sum())), np.cumsum(lengths)[:-1])
+    req_ids = [f"{i}-{rng.integers(1 << 30):08x}" for i in range(requests)]
+    positions = [int(n * block_size - 1 - rng.integers(block_size)) for n in lengths]
+    req_to_blocks = {r: [SimpleNamespace(block_id=int(b)) for b in bl] for r, bl in zip(req_ids, blocks)}
+    coordinator = SimpleNamespace(single_type_managers=[SimpleNamespace(req_to_blocks=req_to_blocks)])
+    store = RoutedExpertsManager(spec, int(lengths.sum()), block_size)
+    routing = ConnectorRouting(store, 0, coordinator)
+    slots = np.array([bl[p // block_size] * block_size + p % block_size for bl, p in zip(blocks, positions)])
+    payload = RoutedExpertsLists(routing_data=_routing(spec, requests, rng), slot_mapping=slots.astype(np.int64))
+    store.store_batch(payload.routing_data, payload.slot_mapping)
+    step = SimpleNamespace(
+        num_scheduled_tokens=dict.fromkeys(req_ids, 1), total_num_scheduled_tokens=requests, scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids, num_computed_tokens=positions, resumed_req_ids=set()),
+    )
+    return SchedulerReadWorkload(spec, routing, step, payload, req_ids, positions)
+
+
+def scheduler_read_cases(workload: SchedulerReadWorkload) -> dict[str, Callable[[], object]]:
+    """One step's reads for every request: from the step's payload (the index built
+    once, then a checked slice copied per request), one store read per request, and
+    one fancy index of the same rows of the payload (the rows in another order)."""
+    w = workload
+    routing, order = w.routing, np.random.default_rng(1).permutation(len(w.req_ids))
+    pairs = list(zip(w.req_ids, w.positions))
+
+    def from_payload():
+        routing._step_rows = routing._index_step(w.step, w.payload, w.req_ids, {})
+        return [routing._rows_of_step(req_id, p, p + 1) for req_id, p in pairs]
+
+    def per_request():
+        return [routing._read(req_id, p, p + 1) for req_id, p in pairs]
+
+    return {
+        "memcpy": lambda: w.payload.routing_data[order],
+        "baseline": per_request,
+        "ours": from_payload,
+    }
 
 
 # -- timing -------------------------------------------------------------------------
@@ -318,6 +393,8 @@ def bench_preset(spec: RoutingSpec, rounds: int, progress=None) -> list[Row]:
     get = make_get_workload(spec)
     tg = measure(get_cases(get), rounds, target_s=10e-3, progress=progress)
     tw = measure(wire_cases(store), rounds, progress=progress)
+    reads = make_scheduler_read_workload(spec)
+    ts = measure(scheduler_read_cases(reads), rounds, progress=progress)
     narrow, wide = t["narrow"], t["int32"]
     return [
         Row(
@@ -349,6 +426,12 @@ def bench_preset(spec: RoutingSpec, rounds: int, progress=None) -> list[Row]:
         Row(
             f"encode+decode {STEP_TOKENS} tok", tw["encode+decode"], store.nbytes, tw["memcpy"],
             None, ">= 5 GB/s", store.nbytes / tw["encode+decode"] >= 5e9,
+        ),
+        # "vs memcpy" here: against one fancy index of the same rows; "vs baseline":
+        # against one store read per request.
+        Row(
+            f"scheduler reads, {len(reads.req_ids)} decoding requests", ts["ours"], reads.nbytes, ts["memcpy"],
+            ts["baseline"], ">= 4x per-request store reads", ts["baseline"] / ts["ours"] >= 4,
         ),
     ]
 
@@ -488,8 +571,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         _pyplot()  # fail before the measurements, not after
     print(f"machine: {machine()}")
-    # 5 + 5 + 5 + 4 + 2 cases per preset; the plot has 5 per step size and 4 per length.
-    total = rounds * (21 * len(names) + (5 * len(PLOT_STEP_TOKENS) + 4 * len(PLOT_REQUEST_TOKENS) if args.plot else 0))
+    # 5 + 5 + 5 + 4 + 2 + 3 cases per preset; the plot has 5 per step size and 4 per length.
+    total = rounds * (24 * len(names) + (5 * len(PLOT_STEP_TOKENS) + 4 * len(PLOT_REQUEST_TOKENS) if args.plot else 0))
     progress = _progress(total)
     all_met = True
     try:

@@ -69,16 +69,15 @@ def first_row(request) -> int:
 
 class _StepRows:
     """The step just stored, indexed for :meth:`ConnectorRouting.take_output` (NOTE 2):
-    its rows and slots as the worker shipped them, each request's first row in them
-    (``offsets``), the position of its first token in this step (``firsts``), its token
-    count (``counts``), and the rows gathered from the store for requests whose output
-    begins before this step's tokens (``caught_up``: request id -> (first row, buffer))."""
+    its rows and slots as the worker shipped them; per request (``where``) its first
+    row in them, the position of its first token in this step and its token count; and
+    the rows gathered from the store for requests whose output begins before this
+    step's tokens (``caught_up``: request id -> (first row, buffer))."""
 
-    __slots__ = ("data", "slots", "offsets", "firsts", "counts", "caught_up")
+    __slots__ = ("data", "slots", "where", "caught_up")
 
-    def __init__(self, data, slots, offsets, firsts, counts, caught_up) -> None:
-        self.data, self.slots, self.offsets = data, slots, offsets
-        self.firsts, self.counts, self.caught_up = firsts, counts, caught_up
+    def __init__(self, data, slots, where, caught_up) -> None:
+        self.data, self.slots, self.where, self.caught_up = data, slots, where, caught_up
 
 
 class ConnectorRouting(SchedulerRouting):
@@ -180,17 +179,24 @@ class ConnectorRouting(SchedulerRouting):
 
     def _rows_of_step(self, req_id: str, start: int, end: int) -> np.ndarray | None:
         """Rows ``start .. end - 1`` of the request from the step's payload and its
-        gathered catch-up (NOTE 2); ``None`` where they are not all there."""
+        gathered catch-up (NOTE 2); ``None`` where they are not all there. Bounded by
+        Python call overhead: a few dict lookups and one slice copied."""
         step = self._step_rows
-        offset = step.offsets.get(req_id)
-        if offset is None:
+        found = step.where.get(req_id)
+        if found is None:
             return None
-        first = step.firsts[req_id]
+        offset, first, count = found
         lo = start if start > first else first
-        if end > first + step.counts[req_id] or end <= lo:
+        if end > first + count or end <= lo:
             return None
         row = offset + lo - first
-        if step.slots.item(row) != self._slot_of(req_id, lo):
+        size = self._block_size
+        blocks = self._req_blocks.get(req_id)
+        if blocks and lo < len(blocks) * size:
+            slot = blocks[lo // size].block_id * size + lo % size
+        else:
+            slot = self._slot_of(req_id, lo)
+        if step.slots.item(row) != slot:
             return None
         if lo == start:
             return step.data[row : row + end - start].copy()
@@ -306,11 +312,15 @@ class ConnectorRouting(SchedulerRouting):
         new_reqs = scheduler_output.scheduled_new_reqs
         for new in new_reqs:
             firsts[new.req_id] = new.num_computed_tokens
+        try:
+            where = dict(zip(req_ids, zip(starts, map(firsts.__getitem__, req_ids), map(counts.__getitem__, req_ids))))
+        except KeyError:
+            return None
         # A step of one token per request, none new or resumed, is all decodes: no
         # request's output starts before its token of this step.
         decodes_only = not new_reqs and not cached.resumed_req_ids and starts[-1] == len(counts)
         caught_up = {} if decodes_only else self._catch_up(firsts, counts, requests)
-        return _StepRows(step.routing_data, step.slot_mapping, dict(zip(req_ids, starts)), firsts, counts, caught_up)
+        return _StepRows(step.routing_data, step.slot_mapping, where, caught_up)
 
     def _catch_up(self, firsts: dict, counts: dict, requests: dict) -> dict:
         """The rows before this step's tokens of every request whose output starts

@@ -103,6 +103,20 @@ def _make_execute_model(original):
     return execute_model
 
 
+def _make_dummy_run(original):
+    """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner._dummy_run``
+    (profiling, CUDA-graph capture, a DP rank's idle batch): no snapshot follows it, so
+    the next real step clears the capture buffer first (NOTE 1 of ``WorkerRouting``)."""
+
+    def _dummy_run(self, *args, **kwargs):
+        routing = self.__dict__.get(_ATTR)
+        if routing is not None:
+            routing.forward_without_snapshot()
+        return original(self, *args, **kwargs)
+
+    return _dummy_run
+
+
 def _make_sample_tokens(original, ship=_ship_routed_experts):
     """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
     attaches the step's narrow routing to the sync output (with ``ship``), or wraps
@@ -137,6 +151,7 @@ def v1_runner_patches() -> list[Patch]:
         Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
               ("self.execute_model_state = None", "if self.routed_experts_initialized:"),
               _make_sample_tokens),
+        Patch(RUNNER, "GPUModelRunner._dummy_run", ("self", "num_tokens", "..."), ("outputs = self.model(",), _make_dummy_run),
     ]
 
 
@@ -151,5 +166,6 @@ def v1_runner_connector_patches() -> list[Patch]:
         Patch(RUNNER, "GPUModelRunner.sample_tokens", ("self", "grammar_output"),
               ("self.execute_model_state = None", "slot_mappings,\n        ) = self.execute_model_state"),
               lambda original: _make_sample_tokens(original, _ship_aux_output)),
+        Patch(RUNNER, "GPUModelRunner._dummy_run", ("self", "num_tokens", "..."), ("outputs = self.model(",), _make_dummy_run),
         Patch("vllm.v1.outputs", "ModelRunnerOutput", None, ("aux_output_connector_output",), None),
     ]

@@ -12,13 +12,15 @@ and ``tolists()`` in ``get_output``, whose result becomes
 ``ModelRunnerOutput.routed_experts``. V2 has no synchronous output path: without
 async scheduling the worker calls ``get_output`` at once.
 
-slotroute puts :class:`StepCapture` in that place. ``get_routed_experts`` starts
-slotroute's checked narrow snapshot (on the forward's stream, then its own copy
-stream), ``to_cpu_nonblocking`` has nothing left to do, and ``tolists`` waits for the
-copy and returns vLLM's ``RoutedExpertsLists`` in the storage dtype, or raises
-naming what the check found. ``execute_model`` resets the step's rows before the
-forward, so under CUDA graphs (FULL or PIECEWISE) a MoE layer that wrote nothing
-fails the check instead of shipping an older step's ids.
+slotroute puts :class:`StepCapture` in that place. ``get_routed_experts`` launches
+slotroute's checked narrow snapshot kernel on the forward's stream,
+``to_cpu_nonblocking`` enqueues its one copy on V2's output copy stream, and
+``tolists``, called once V2 has waited for that stream's event, returns vLLM's
+``RoutedExpertsLists`` in the storage dtype, or raises naming what the check found.
+The snapshot kernel clears the capture buffer for the next step, so under CUDA graphs
+(FULL or PIECEWISE) a MoE layer that wrote nothing fails the check instead of
+shipping an older step's ids; ``execute_model`` clears it before a real step only
+after a dummy run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ class StepRouting:
         self.pending = pending
 
     def to_cpu_nonblocking(self) -> StepRouting:
-        """The snapshot's copy is already enqueued on slotroute's copy stream: self."""
+        """Enqueue the snapshot's one copy on the current stream (V2's output copy
+        stream, whose blocking event ``get_output`` waits on before ``tolists``): self."""
+        self.pending.enqueue_copy()
         return self
 
     def tolists(self) -> VllmRoutedExpertsLists | None:
@@ -79,9 +83,10 @@ class StepCapture:
     def get_routed_experts(self, slot_mappings, num_tokens: int) -> StepRouting:
         """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is
         V2's ``(num_kv_cache_groups, max_num_tokens)`` device tensor, of which the
-        full-attention group's row keys the store. Bounded by a few kernel launches."""
+        full-attention group's row keys the store. Bounded by one kernel launch: the
+        copy goes on V2's output copy stream (``to_cpu_nonblocking``)."""
         slots = slot_mappings[self.routing.attn_gid]
-        return StepRouting(self.routing.snapshot_step(num_tokens, slots))
+        return StepRouting(self.routing.snapshot_step(num_tokens, slots, defer_copy=True))
 
 
 # -- patches ------------------------------------------------------------------------
@@ -100,12 +105,16 @@ def _make_init_capturer(original):
 
 def _make_execute_model(original):
     """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.execute_model``:
-    resets the step's rows before a real step's forward (dummy runs ship nothing)."""
+    prepares a real step's capture; a dummy run ships nothing and leaves the buffer to
+    clear (NOTE 1 of ``WorkerRouting``)."""
 
     def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
         capture = self.routed_experts_capturer
-        if not dummy_run and isinstance(capture, StepCapture):
-            capture.begin_step(scheduler_output.total_num_scheduled_tokens)
+        if isinstance(capture, StepCapture):
+            if dummy_run:
+                capture.routing.forward_without_snapshot()
+            else:
+                capture.begin_step(scheduler_output.total_num_scheduled_tokens)
         return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
 
     return execute_model

@@ -10,11 +10,13 @@ copy stream and ``process_output()`` in ``AsyncOutput.get_output``, whose result
 becomes ``ModelRunnerOutput.aux_output_connector_output``. V2 has no synchronous
 output path: without async scheduling the worker calls ``get_output`` at once.
 
-slotroute puts :class:`StepConnector` there. ``begin_step`` resets the step's rows
-(so under CUDA graphs a MoE layer that wrote nothing fails the check instead of
-shipping an older step's ids), ``prepare_output`` starts slotroute's checked narrow
-snapshot with the step's slots of the full-attention group, and ``process_output``
-waits for it and returns :func:`~slotroute.vllm.worker.step_output`.
+slotroute puts :class:`StepConnector` there. ``prepare_output`` launches slotroute's
+checked narrow snapshot kernel with the step's slots of the full-attention group,
+which also clears the capture buffer for the next step (so under CUDA graphs a MoE
+layer that wrote nothing fails the check instead of shipping an older step's ids;
+``begin_step`` clears it only after a dummy run), ``enqueue_cpu_copy`` enqueues its
+one copy on V2's output copy stream, and ``process_output``, called once V2 has
+waited for that stream's event, returns :func:`~slotroute.vllm.worker.step_output`.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ class PendingStep:
         self.pending = pending
 
     def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
-        """Nothing to enqueue: the snapshot's copy already runs on slotroute's copy
-        stream. Rejected draft tokens need no trimming: their slots are rewritten when
-        the tokens that replace them are forwarded."""
+        """Enqueue the snapshot's one copy on the current stream: V2's output copy
+        stream, whose blocking event ``get_output`` waits on before
+        :meth:`process_output`. Rejected draft tokens need no trimming: their slots are
+        rewritten when the tokens that replace them are forwarded."""
+        self.pending.enqueue_copy()
 
     def process_output(self):
         """Wait for the copy; what :func:`~slotroute.vllm.worker.step_output` ships."""
@@ -75,12 +79,13 @@ class StepConnector:
 
     def prepare_output(self, input_batch) -> PendingStep | None:
         """Start shipping the step's rows (``input_batch.num_tokens``, padding excluded)
-        with their slots; ``None`` if no slot mapping was staged. Bounded by a few
-        kernel launches."""
+        with their slots; ``None`` if no slot mapping was staged. Bounded by one kernel
+        launch: the copy goes on V2's output copy stream (``enqueue_cpu_copy``)."""
         slots, self._slots = self._slots, None
         if slots is None:
+            self.routing.forward_without_snapshot()
             return None
-        return PendingStep(self.routing.snapshot_step(input_batch.num_tokens, slots))
+        return PendingStep(self.routing.snapshot_step(input_batch.num_tokens, slots, defer_copy=True))
 
     def close(self) -> None:
         """Nothing held beyond the capturer's buffers, which go with this object."""
@@ -113,6 +118,20 @@ def _make_sample_tokens(original):
     return sample_tokens
 
 
+def _make_execute_model(original):
+    """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.execute_model``: a
+    dummy run (no snapshot follows it) leaves the capture buffer to clear before the
+    next real step (NOTE 1 of ``WorkerRouting``)."""
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
+        connector = self.aux_output_connector
+        if dummy_run and isinstance(connector, StepConnector):
+            connector.routing.forward_without_snapshot()
+        return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
+
+    return execute_model
+
+
 def v2_runner_connector_patches() -> list[Patch]:
     """The V2 runner's patches for vLLM 0.31-0.32 and the V2 code they rely on, each
     verified against the installed vLLM."""
@@ -123,9 +142,11 @@ def v2_runner_connector_patches() -> list[Patch]:
               ("slot_mappings_by_layer = self.execute_model_state.slot_mappings_by_layer",
                "self.aux_output_connector.prepare_output(input_batch)"),
               _make_sample_tokens),
-        # Relied on, not replaced: where V2 starts a step and hands its routing over.
-        Patch(RUNNER, "GPUModelRunner.execute_model", None,
-              ("self.aux_output_connector.begin_step(", "scheduler_output.aux_output_connector_metadata"), None),
+        Patch(RUNNER, "GPUModelRunner.execute_model",
+              ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "..."),
+              ("self.aux_output_connector.begin_step(", "scheduler_output.aux_output_connector_metadata"),
+              _make_execute_model),
+        # Relied on, not replaced: where V2 hands a step's routing over.
         Patch(ASYNC_UTILS, "AsyncOutput.__init__", None, ("self.pending_aux_output.enqueue_cpu_copy(",), None),
         Patch(ASYNC_UTILS, "AsyncOutput.get_output", ("self",),
               ("self.model_runner_output.aux_output_connector_output = (",

@@ -54,11 +54,15 @@ class WorkerRouting:
     hold 0.
 
     NOTE 1: on a CUDA device, where a graph replays ``capture`` without running
-    Python, each step first resets the step's rows (MoE layers to the capturer's
-    ``NOT_CAPTURED``, dense layers to 0) and the snapshot's range check finds any row
-    left unwritten. On CPU (eager only, NOTE 2) every ``capture`` runs in Python, so a
-    ledger of the rows each layer wrote in this step stands in for the reset: no torch
-    op per step.
+    Python, every step starts from a cleared buffer (MoE layers ``NOT_CAPTURED``,
+    dense layers 0) and the snapshot's range check finds any row left unwritten. The
+    snapshot's own kernel clears the buffer once it has read the step's rows, so a
+    step launches nothing of slotroute's before its forward; a forward that no
+    snapshot follows (a dummy run: profiling, CUDA-graph capture, a DP rank's idle
+    batch, reported by :meth:`forward_without_snapshot`) makes the next
+    :meth:`begin_step` clear it first. On CPU (eager only, NOTE 2) every ``capture``
+    runs in Python, so a ledger of the rows each layer wrote in this step stands in
+    for the clearing: no torch op per step.
 
     Parameters
     ----------
@@ -89,8 +93,14 @@ class WorkerRouting:
         self.tp_size = config.parallel_config.tensor_parallel_size
         self.dp_rank = config.parallel_config.data_parallel_rank
         group = get_tp_group().device_group if self.tp_size > 1 else None
+        moe = moe_layer_ids(model)
+        dense = [layer for layer in range(spec.num_layers) if layer not in moe]
+        # A ring slot per step the runner keeps in flight, and one more: vLLM resolves a
+        # step's output before it starts the step max_concurrent_batches later, so each
+        # snapshot finds its slot free (NOTE 1 of RoutedExpertsCapturer has the rest).
         self.capturer = RoutedExpertsCapturer(
-            spec, config.scheduler_config.max_num_batched_tokens, device, tp_group=group
+            spec, config.scheduler_config.max_num_batched_tokens, device, tp_group=group, dense_layers=dense,
+            ring_depth=getattr(config, "max_concurrent_batches", 2) + 1,
         )
         # The full-attention KV cache group: its slots key the scheduler's store.
         self.attn_gid = attention_gid(kv_cache_config)
@@ -100,13 +110,11 @@ class WorkerRouting:
         self._dp_key: object = None
         self._dp_layout = self._single_rank
         bind_routed_experts_capturer(model, self)
-        moe = moe_layer_ids(model)
-        dense = [layer for layer in range(spec.num_layers) if layer not in moe]
-        self._dense = torch.tensor(dense, dtype=torch.long, device=self.capturer.device) if dense else None
         self._moe_layers = frozenset(moe)
-        self.reset_rows()
-        # Layer id -> rows its capture wrote in this step, or None where rows are reset (NOTE 1).
+        # Layer id -> rows its capture wrote in this step, or None where rows are cleared (NOTE 1).
         self._rows_captured: dict[int, int] | None = {} if self.capturer.device.type == "cpu" else None
+        # Whether a forward ran since the buffer was last cleared (NOTE 1).
+        self._dirty = False
         logger.info(
             "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
         )
@@ -147,20 +155,18 @@ class WorkerRouting:
 
     def begin_step(self, num_tokens: int) -> None:
         """Prepare the capture of a step of ``num_tokens`` tokens (NOTE 1): on CPU, empty
-        the ledger; on a CUDA device, reset the step's rows with :meth:`reset_rows`."""
+        the ledger; on a CUDA device, nothing, unless a forward ran without a snapshot
+        since the last one, which leaves the buffer to clear (one kernel)."""
         if self._rows_captured is not None:
             self._rows_captured = {}
-        else:
-            self.reset_rows(num_tokens)
+        elif self._dirty:
+            self._dirty = False
+            self.capturer.clear_buffer()
 
-    def reset_rows(self, num_tokens: int | None = None) -> None:
-        """Write ``NOT_CAPTURED`` into the first ``num_tokens`` rows (all when ``None``)
-        of MoE layers and 0 into those of dense layers, on the current stream. Bounded
-        by memory bandwidth: two fills of ``num_tokens * num_layers * top_k`` int32s."""
-        rows = self.capturer.get_device_buffer()[:num_tokens]
-        rows.fill_(NOT_CAPTURED)
-        if self._dense is not None:
-            rows.index_fill_(1, self._dense, 0)
+    def forward_without_snapshot(self) -> None:
+        """Report a forward no snapshot follows (a dummy run): the next step clears the
+        buffer first (NOTE 1)."""
+        self._dirty = True
 
     def snapshot(self, state) -> PendingSnapshot | None:
         """Start shipping the routing of the step the V1 runner's ``state``
@@ -176,19 +182,22 @@ class WorkerRouting:
         if n == 0:
             return None
         if not isinstance(state.slot_mappings, dict):
+            self.forward_without_snapshot()
             raise ValueError(
                 "slotroute needs one slot mapping per step (a dict by layer name), got "
                 f"{type(state.slot_mappings).__name__}: micro-batching is not supported"
             )
         return self.snapshot_step(n, state.slot_mappings[self.attn_layer])
 
-    def snapshot_step(self, num_tokens: int, slots: torch.Tensor) -> PendingSnapshot:
+    def snapshot_step(self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False) -> PendingSnapshot:
         """Start shipping rows ``[0, num_tokens)`` of this step with their KV slots
         (``slots``, at least ``num_tokens`` long, on the host or the capture device).
 
         On CPU, a step in which some MoE layer wrote fewer than the step's rows
         yields a snapshot whose ``result()`` raises ``ValueError`` naming the layers;
-        on a CUDA device the snapshot's range check finds the rows left unwritten.
+        on a CUDA device the snapshot's range check finds the rows left unwritten, and
+        its kernel clears the buffer for the next step (NOTE 1). ``defer_copy`` leaves
+        the copy to the runner's output copy stream (``PendingSnapshot.enqueue_copy``).
 
         Raises
         ------
@@ -196,7 +205,7 @@ class WorkerRouting:
             As ``RoutedExpertsCapturer.snapshot``: a malformed slot mapping.
         """
         if self._rows_captured is None:
-            return self.capturer.snapshot(num_tokens, slots[:num_tokens])
+            return self.capturer.snapshot(num_tokens, slots[:num_tokens], clear=True, defer_copy=defer_copy)
         error = incomplete_capture(self._moe_layers, self._rows_captured, num_tokens)
         if error is not None:
             return PendingSnapshot(self.capturer.spec, num_tokens, error=error, failed_slots=slots.numpy()[:num_tokens].copy())

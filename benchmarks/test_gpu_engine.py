@@ -1,0 +1,54 @@
+"""The GPU engine benchmark's plan and summary (``benchmarks/gpu_engine.py``), on
+made-up children: the rounds it runs and how it says whether a difference is resolved."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("gpu_engine", pathlib.Path(__file__).with_name("gpu_engine.py"))
+gpu_engine = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_engine)
+
+
+def test_plan_discards_a_warm_up_then_rotates_the_order_each_round():
+    children = gpu_engine.plan(["off", "vllm", "slotroute"], rounds=3)
+    assert [(c["round"], c["config"]) for c in children] == [
+        (0, "slotroute"),
+        (1, "off"), (1, "vllm"), (1, "slotroute"),
+        (2, "vllm"), (2, "slotroute"), (2, "off"),
+        (3, "slotroute"), (3, "off"), (3, "vllm"),
+    ]
+
+
+def child(round_, config, tok_s, scheduler_us=10.0):
+    metrics = dict(tok_s=tok_s, req_min=tok_s / 10, worker_us_per_step=5.0, scheduler_us_per_step=scheduler_us,
+                   bytes_per_step=100.0)
+    return dict(round=round_, config=config, results={"rollout": metrics})
+
+
+def test_summary_takes_medians_over_rounds_and_leaves_the_warm_up_out():
+    children = [child(0, "slotroute", 1.0)] + [
+        child(r, c, v) for r, c, v in [(1, "off", 100), (1, "slotroute", 99.5), (2, "off", 110), (2, "slotroute", 109),
+                                       (3, "off", 90), (3, "slotroute", 90.5)]
+    ]
+    summary = gpu_engine.summarize(children)
+    tok = summary["configs"]["rollout"]["slotroute"]["tok_s"]
+    assert (tok["median"], tok["min"], tok["max"], tok["n"]) == (99.5, 90.5, 109, 3)
+    comparison = summary["comparisons"]["rollout: slotroute / off (tok_s)"]
+    assert comparison["ratio_of_medians"] == pytest.approx(99.5 / 100)
+    assert comparison["round_ratios"] == pytest.approx([0.995, 109 / 110, 90.5 / 90])
+    assert comparison["meets_claim"] is True
+    # same-round ratios 0.991..1.0056 around 0.995: wider than its 0.005 above the 0.99 claim
+    assert comparison["spread_wider_than_difference"] is True
+
+
+def test_summary_calls_a_difference_resolved_when_every_round_agrees():
+    children = [child(r, c, v) for r, c, v in [(1, "vllm", 100), (1, "slotroute", 103), (2, "vllm", 80),
+                                               (2, "slotroute", 82.5), (3, "vllm", 120), (3, "slotroute", 123.4)]]
+    comparison = gpu_engine.summarize(children)["comparisons"]["rollout: slotroute / vllm (tok_s)"]
+    assert comparison["meets_claim"] is True
+    assert comparison["spread_wider_than_difference"] is False
+    assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
