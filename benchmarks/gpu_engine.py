@@ -286,7 +286,7 @@ def summarize(children: list[dict]) -> dict:
     difference between the ratio and the claim (or 1 where nothing is claimed)."""
     rounds = [c for c in children if c.get("round", 0) > 0 and "results" in c]
     summary: dict = {"configs": {}, "comparisons": {}}
-    workloads_seen = sorted({w for c in rounds for w in c["results"]}, key=lambda w: (w not in WORKLOADS, w))
+    workloads_seen = [w for w in WORKLOADS if any(w in c["results"] for c in rounds)]
     for workload in workloads_seen:
         by_config: dict[str, dict] = {}
         for config in dict.fromkeys(c["config"] for c in rounds):

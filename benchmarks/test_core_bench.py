@@ -42,6 +42,11 @@ def get_cases(preset):
     return bench.get_cases(bench.make_get_workload(bench.PRESETS[preset]))
 
 
+@pytest.fixture(scope="module")
+def scheduler_read_cases(preset):
+    return bench.scheduler_read_cases(bench.make_scheduler_read_workload(bench.PRESETS[preset]))
+
+
 def run(benchmark, group: str, fn):
     benchmark.group = group
     bench.warm_up(fn)
@@ -72,6 +77,17 @@ def test_encode_and_decode_of_an_8192_token_step(benchmark, preset, step_workloa
         assert out.routing_data.shape == step_workload.data.shape
 
 
+@pytest.mark.parametrize("case", ["ours", "baseline", "memcpy"])
+def test_scheduler_reads_of_one_decode_step_of_256_requests(benchmark, preset, scheduler_read_cases, case):
+    out = run(benchmark, f"scheduler reads 256 requests {preset}", scheduler_read_cases[case])
+    token_shape = bench.PRESETS[preset].token_shape
+    if case == "memcpy":
+        assert out.shape == (256, *token_shape)
+    else:  # one row per request, the same rows on both paths
+        assert [row.shape for row in out] == [(1, *token_shape)] * 256
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(out, scheduler_read_cases["baseline"]()))
+
+
 def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path, capsys):
     from slotroute.cli import main
 
@@ -80,6 +96,7 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
     out = capsys.readouterr().out
     assert "### gpt-oss-120b: 36 layers, top-4, 128 experts, uint8 (144 B/token)" in out
     assert out.count("| store_batch ") == 3 and "| get 32768 tok" in out and "| encode+decode" in out
+    assert "| scheduler reads, 256 decoding requests" in out
     assert "|   memcpy + id check" in out and "|   gather of the same blocks" in out
     assert "|   store_batch 8192 tok, uint8 in, cache-hot" in out
     assert "demand paging" in out

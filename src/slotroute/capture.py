@@ -664,7 +664,8 @@ class RoutedExpertsCapturer:
             return pending
         # astype always copies: the caller may reuse its array next step
         host_slots = None if on_device else host_slots.astype(np.int64)
-        return self._snapshot_async(n, slot_mapping if on_device else None, host_slots, clear, defer_copy)
+        device_slots = slot_mapping.contiguous() if on_device else None  # the kernel reads it flat
+        return self._snapshot_async(n, device_slots, host_slots, clear, defer_copy)
 
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
         # Bounded by one pass over n * num_layers * top_k int32s; for the small steps

@@ -1,0 +1,42 @@
+#!/bin/bash
+# The GPU runs of docs/vllm.md and docs/benchmarks.md, on a CUDA machine where a vLLM
+# was installed by ../shared/gpu-vllm's kit (torch in /tmp/tsite, vLLM and its
+# dependencies in /tmp/site). From the checkout's root:
+#
+#   bash benchmarks/gpu_device.sh install             # slotroute next to that vLLM
+#   bash benchmarks/gpu_device.sh tests               # capture tests, then the engine tests on V2 and V1
+#   bash benchmarks/gpu_device.sh bench v2 BUDGET_S [gpu_engine.py arguments]
+#
+# `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
+# end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
+# $OUT where it is set.
+set -u
+cd "$(dirname "$0")/.."
+SR=/tmp/sr
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:/tmp/site
+case ${1:?install, tests or bench} in
+install)
+  rm -rf $SR && mkdir -p $SR/slotroute-0.1.0.dist-info && cp -r src/slotroute $SR/
+  printf "Metadata-Version: 2.1\nName: slotroute\nVersion: 0.1.0\n" > $SR/slotroute-0.1.0.dist-info/METADATA
+  printf "[vllm.general_plugins]\nslotroute = slotroute.vllm:register\n" > $SR/slotroute-0.1.0.dist-info/entry_points.txt
+  gcc -O3 -shared -fPIC -I"$(python3 -c "import sysconfig;print(sysconfig.get_paths()['include'])")" \
+    src/slotroute/_native.c -o $SR/slotroute/_native"$(python3 -c "import sysconfig;print(sysconfig.get_config_var('EXT_SUFFIX'))")"
+  python3 -c "import slotroute, slotroute._native, vllm, torch; print('slotroute', slotroute.__file__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
+  ;;
+tests)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
+  python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v2.log 2>&1
+  echo "V2 rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/vllm_gpu_v2.log | tail -15
+  VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v1.log 2>&1
+  echo "V1 rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/vllm_gpu_v1.log | tail -15
+  ;;
+bench)
+  runner=${2:?v2 or v1}; budget=${3:?seconds}; shift 3
+  python3 benchmarks/gpu_engine.py --runner "$runner" --json /tmp/gpu_engine_$runner.json --budget-s "$budget" "$@" \
+    2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
+  cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
+  ;;
+esac
