@@ -69,7 +69,9 @@ def write_config(path: Path, layers: int) -> Path:
 
 
 class Timer:
-    """Host seconds and calls of wrapped methods, by label."""
+    """Host seconds and calls of wrapped methods, by label (``worker``, ``scheduler``,
+    ...) and by ``label:method`` (the breakdown; a ``detail`` label times calls nested
+    in others, kept out of the totals)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -77,12 +79,16 @@ class Timer:
 
     def wrap(self, owner, name: str, label: str, on_call=None) -> None:
         inner = getattr(owner, name)
+        keys = (label, f"{label}:{name}")
+        seconds, calls = self.seconds, self.calls
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
             result = inner(*args, **kwargs)
-            self.seconds[label] = self.seconds.get(label, 0.0) + time.perf_counter() - started
-            self.calls[label] = self.calls.get(label, 0) + 1
+            took = time.perf_counter() - started
+            for key in keys:
+                seconds[key] = seconds.get(key, 0.0) + took
+                calls[key] = calls.get(key, 0) + 1
             if on_call is not None:
                 on_call(args, result)
             return result
@@ -143,6 +149,8 @@ def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
         for name in ("on_new_blocks", "build_connector_meta", "take_output", "request_finished", "take_step",
                      "after_output"):
             timer.wrap(ConnectorRouting, name, "scheduler")
+        for name in ("_rows_of_step", "_read", "_index_step", "_catch_up"):
+            timer.wrap(ConnectorRouting, name, "detail")
         timer.wrap(WorkerRouting, "begin_step", "worker")
         timer.wrap(WorkerRouting, "snapshot_step", "worker")
         timer.wrap(runner_v2_connector.PendingStep, "enqueue_cpu_copy", "worker")
@@ -247,6 +255,8 @@ def child(args) -> None:
             scheduler_us_per_step=1e6 * timer.seconds.get("scheduler", 0.0) / steps,
             worker_calls_per_step=timer.calls.get("worker", 0) / steps,
             scheduler_calls_per_step=timer.calls.get("scheduler", 0) / steps,
+            breakdown_us_per_step={k: 1e6 * v / steps for k, v in timer.seconds.items() if ":" in k},
+            breakdown_calls_per_step={k: v / steps for k, v in timer.calls.items() if ":" in k},
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -358,6 +368,8 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="no compilation or CUDA graphs (needed on CPU)")
     parser.add_argument("--json", help="write every child and the summary here; continue a run found there")
     parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
+    parser.add_argument("--rewarm", action="store_true",
+                        help="continuing on another machine: run one more discarded warm-up child first")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -379,6 +391,10 @@ def main() -> None:
     if args.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     longest = 0.0
+    pending = [c for c in state["children"] if "results" not in c]
+    if args.rewarm and pending:
+        warm_up = dict(round=0, config=pending[0]["config"])
+        state["children"].insert(state["children"].index(pending[0]), warm_up)
     for entry in state["children"]:
         if "results" in entry:
             continue
