@@ -17,8 +17,8 @@ cache hits on every turn after the first); ``multi-turn-start``: the same with
 the earlier turns' rows asks (routing off runs it without).
 
 Each configuration runs in its own process (vLLM caches its environment per
-process). A first child, discarded, fills the compile caches; then every
-configuration runs once per round, in an order that rotates between rounds
+process). A first child of each configuration, discarded, fills its compile caches;
+then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
 max over rounds of generated tok/s and requests/min, host time per engine step spent
 in the routing calls of the worker and the scheduler, and bytes shipped per step; and
@@ -270,10 +270,11 @@ def child(args) -> None:
 
 
 def plan(configs: list[str], rounds: int) -> list[dict]:
-    """The children to run: one discarded warm-up (the last configuration: every patch
-    compiled), then each configuration once per round, the order rotated by one
-    configuration each round."""
-    children = [dict(round=0, config=configs[-1])]
+    """The children to run: a discarded warm-up of each configuration (each compiles a
+    graph of its own: routing on or off, slotroute's hooks or vLLM's, and a cold
+    compile starts an engine in minutes instead of seconds), then each configuration
+    once per round, the order rotated by one configuration each round."""
+    children = [dict(round=0, config=c) for c in configs]
     for r in range(rounds):
         k = r % len(configs)
         children += [dict(round=r + 1, config=c) for c in configs[k:] + configs[:k]]
@@ -369,7 +370,7 @@ def main() -> None:
     parser.add_argument("--json", help="write every child and the summary here; continue a run found there")
     parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
     parser.add_argument("--rewarm", action="store_true",
-                        help="continuing on another machine: run one more discarded warm-up child first")
+                        help="continuing on another machine: warm up each configuration still to run first")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -392,9 +393,11 @@ def main() -> None:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     longest = 0.0
     pending = [c for c in state["children"] if "results" not in c]
-    if args.rewarm and pending:
-        warm_up = dict(round=0, config=pending[0]["config"])
-        state["children"].insert(state["children"].index(pending[0]), warm_up)
+    if args.rewarm and pending:  # the configurations still to run, each warmed up first
+        at = state["children"].index(pending[0])
+        for config in dict.fromkeys(c["config"] for c in pending):
+            state["children"].insert(at, dict(round=0, config=config))
+            at += 1
     for entry in state["children"]:
         if "results" in entry:
             continue

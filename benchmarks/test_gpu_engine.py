@@ -13,10 +13,10 @@ gpu_engine = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_engine)
 
 
-def test_plan_discards_a_warm_up_then_rotates_the_order_each_round():
+def test_plan_discards_a_warm_up_of_each_configuration_then_rotates_the_order_each_round():
     children = gpu_engine.plan(["off", "vllm", "slotroute"], rounds=3)
     assert [(c["round"], c["config"]) for c in children] == [
-        (0, "slotroute"),
+        (0, "off"), (0, "vllm"), (0, "slotroute"),
         (1, "off"), (1, "vllm"), (1, "slotroute"),
         (2, "vllm"), (2, "slotroute"), (2, "off"),
         (3, "slotroute"), (3, "off"), (3, "vllm"),
