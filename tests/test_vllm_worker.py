@@ -203,3 +203,19 @@ def test_v2_pending_step_needs_no_copy_of_its_own_and_processes_to_the_steps_row
     shipped = step.process_output()
     np.testing.assert_array_equal(shipped.routing_data[0, 0], [1, 2])
     np.testing.assert_array_equal(shipped.slot_mapping, [3])
+
+
+def test_the_v2_connector_captures_on_the_runners_device_not_where_a_parameter_lives():
+    """``--cpu-offload-gb`` may leave the first parameters on the host: the capture
+    device comes from the engine's device config."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from slotroute.vllm.runner_v2_connector import runner_device
+
+    for device in ("cpu", torch.device("cpu")):
+        assert runner_device(SimpleNamespace(device_config=SimpleNamespace(device=device))) == torch.device("cpu")
+    if torch.cuda.is_available():
+        found = runner_device(SimpleNamespace(device_config=SimpleNamespace(device="cuda")))
+        assert found == torch.device("cuda", torch.cuda.current_device())
