@@ -269,6 +269,11 @@ class PendingSnapshot:
         self._own_stream = own_stream
         self._copy_enqueued = own_stream
 
+    @property
+    def spec(self) -> RoutingSpec:
+        """The routing spec of the capturer that took the snapshot."""
+        return self._spec
+
     def enqueue_copy(self) -> None:
         """Enqueue the step's one device-to-host copy on the current stream, for a
         snapshot taken with ``defer_copy=True``: call it on a stream ordered after the
