@@ -76,11 +76,20 @@ def test_single_rank_is_tp_rank_0_and_ships_data(cap):
 # --- layouts ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8])
 def test_single_rank_layout_takes_every_row(cap, rng, dtype):
     ref = routing(rng, 9)
     capture_all(cap, ref, dtype=dtype)
     np.testing.assert_array_equal(captured(cap, 9), ref)
+
+
+def test_int16_ids_out_of_range_reach_the_snapshot_check(cap):
+    """A monolithic kernel's int16 ids are widened as they are: a negative one is found
+    by the snapshot's range check, never wrapped into a valid expert."""
+    for layer in range(SPEC.num_layers):
+        cap.capture(layer, torch.full((2, SPEC.top_k), -2 if layer == 1 else 3, dtype=torch.int16))
+    with pytest.raises(ValueError, match=r"the first is token 0 of the step .*layer 1: -2"):
+        cap.snapshot(2, np.arange(2)).result()
 
 
 def test_capture_writes_only_its_layer_and_rows(cap, rng):
@@ -167,9 +176,9 @@ def test_topk_ids_of_the_wrong_shape_raise_value_error(cap, shape):
     assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8, torch.int16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool, torch.float16])
 def test_topk_ids_of_another_dtype_raise_value_error(cap, dtype):
-    with pytest.raises(ValueError, match="int32 or torch.int64"):
+    with pytest.raises(ValueError, match=r"must be integers \(torch.int8, .*torch.int64\), got"):
         cap.capture(0, torch.zeros((3, SPEC.top_k), dtype=dtype))
 
 

@@ -67,21 +67,21 @@ def test_async_output_keeps_the_wrapped_outputs_attributes():
     assert wrapped.sampled_token_ids_cpu == "vLLM's own attribute"
 
 
-def test_async_output_of_a_step_with_an_uncaptured_layer_raises_on_resolve():
+def test_async_output_of_a_step_with_an_uncaptured_layer_ships_a_failure_not_an_exception():
     from slotroute.vllm.runner_v1 import AsyncOutputWithRouting
+    from slotroute.vllm.scheduler import is_failed_step
 
     capturer = RoutedExpertsCapturer(SPEC, max_num_tokens=4, device="cpu")
     capturer.capture(0, torch.tensor([[1, 2]], dtype=torch.int32))  # layer 1 never captures
     wrapped = AsyncOutputWithRouting(
         resolved_async_output(), capturer.snapshot(1, np.array([0])), ship_for_installed_vllm()
     )
-    if not CONNECTOR_GENERATION:
-        with pytest.raises(ValueError, match="outside"):
-            wrapped.get_output()
-        return
-    failure = shipped_routing(wrapped.get_output())  # 0.31+: the step's requests fail, not the engine
-    assert "outside [0, 8)" in failure.error and "layer 1: -1" in failure.error
+    failure = shipped_routing(wrapped.get_output())  # the step's requests fail, not the engine
     np.testing.assert_array_equal(failure.slot_mapping, [0])
+    if not CONNECTOR_GENERATION:  # vLLM's own type: no rows for the slots the step wrote
+        assert is_failed_step(failure.routing_data, failure.slot_mapping)
+        return
+    assert "outside [0, 8)" in failure.error and "layer 1: -1" in failure.error
 
 
 # --- the CPU step ledger (WorkerRouting, NOTE 1) -------------------------------------
@@ -141,23 +141,27 @@ def test_v2_step_routing_hands_vllm_its_lists_in_the_storage_dtype():
 
 
 @only_before_031
-def test_v2_step_routing_with_an_out_of_range_id_raises_instead_of_shipping():
+def test_v2_step_routing_with_an_out_of_range_id_ships_no_rows_for_its_slots():
     from slotroute.vllm.runner_v2 import StepRouting
+    from slotroute.vllm.scheduler import is_failed_step
 
     step = StepRouting(pending_step([[1, 2], [3, 7]], [0, 1]))  # layer 1 gets id 8 of 8 experts
-    with pytest.raises(ValueError, match="num_experts"):
-        step.tolists()
+    lists = step.tolists()
+    assert is_failed_step(lists.routing_data, lists.slot_mapping)
+    assert lists.routing_data.shape == (0, *SPEC.token_shape)
+    np.testing.assert_array_equal(lists.slot_mapping, [0, 1])
 
 
 @only_before_031
-def test_v2_step_routing_with_a_layer_that_wrote_nothing_raises():
+def test_v2_step_routing_with_a_layer_that_wrote_nothing_ships_a_failure_even_without_its_slots():
     from slotroute.capture import PendingSnapshot
     from slotroute.vllm.runner_v2 import StepRouting
+    from slotroute.vllm.scheduler import is_failed_step
     from slotroute.vllm.worker import incomplete_capture
 
     error = incomplete_capture(frozenset({0, 2, 3}), {0: 5, 3: 5}, 5)
-    with pytest.raises(ValueError, match=r"MoE layer\(s\) \[2\]"):
-        StepRouting(PendingSnapshot(SPEC, 5, error=error)).tolists()
+    lists = StepRouting(PendingSnapshot(SPEC, 5, error=error)).tolists()
+    assert is_failed_step(lists.routing_data, lists.slot_mapping)
 
 
 # -- vLLM 0.31+: what the scheduler receives from a step ---------------------------------
@@ -203,3 +207,19 @@ def test_v2_pending_step_needs_no_copy_of_its_own_and_processes_to_the_steps_row
     shipped = step.process_output()
     np.testing.assert_array_equal(shipped.routing_data[0, 0], [1, 2])
     np.testing.assert_array_equal(shipped.slot_mapping, [3])
+
+
+def test_the_v2_connector_captures_on_the_runners_device_not_where_a_parameter_lives():
+    """``--cpu-offload-gb`` may leave the first parameters on the host: the capture
+    device comes from the engine's device config."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from slotroute.vllm.runner_v2_connector import runner_device
+
+    for device in ("cpu", torch.device("cpu")):
+        assert runner_device(SimpleNamespace(device_config=SimpleNamespace(device=device))) == torch.device("cpu")
+    if torch.cuda.is_available():
+        found = runner_device(SimpleNamespace(device_config=SimpleNamespace(device="cuda")))
+        assert found == torch.device("cuda", torch.cuda.current_device())

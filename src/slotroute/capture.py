@@ -32,7 +32,9 @@ __all__ = ["BatchLayout", "PendingSnapshot", "RoutedExpertsCapturer"]
 NOT_CAPTURED = -1
 # Torch has no full uint16 support; uint16 ids travel as int16 with the same bits.
 _TORCH_STORAGE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.int16}
-_TOPK_DTYPES = (torch.int32, torch.int64)
+# Every integer dtype a router or a monolithic MoE kernel hands over (vLLM 0.32's
+# RoutedExpertsSink passes int16); the buffer's int32 copy widens or narrows on the device.
+_TOPK_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _int_tuple(name: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -266,6 +268,11 @@ class PendingSnapshot:
         self._host_slots = host_slots
         self._own_stream = own_stream
         self._copy_enqueued = own_stream
+
+    @property
+    def spec(self) -> RoutingSpec:
+        """The routing spec of the capturer that took the snapshot."""
+        return self._spec
 
     def enqueue_copy(self) -> None:
         """Enqueue the step's one device-to-host copy on the current stream, for a
@@ -538,7 +545,8 @@ class RoutedExpertsCapturer:
         IndexError
             If ``layer_id`` is outside ``[0, num_layers)``.
         ValueError
-            If ``topk_ids`` is not 2-D with ``top_k`` columns, not int32/int64, not on
+            If ``topk_ids`` is not 2-D with ``top_k`` columns, not of an integer dtype
+            (int8, uint8, int16, int32, int64), not on
             the buffer's device, its row count fits no layout, or this rank's tokens
             exceed ``max_num_tokens``. Nothing is written then.
         """
@@ -551,7 +559,9 @@ class RoutedExpertsCapturer:
                 f"topk_ids must have shape (num_rows, {spec.top_k}) (top_k), got {tuple(topk_ids.shape)}"
             )
         if topk_ids.dtype not in _TOPK_DTYPES:
-            raise ValueError(f"topk_ids must be torch.int32 or torch.int64, got {topk_ids.dtype}")
+            raise ValueError(
+                f"topk_ids must be integers ({', '.join(str(d) for d in _TOPK_DTYPES)}), got {topk_ids.dtype}"
+            )
         if topk_ids.device != self._device:
             raise ValueError(f"topk_ids must be on {self._device} (the capture buffer's device), got {topk_ids.device}")
         rows = topk_ids.shape[0]

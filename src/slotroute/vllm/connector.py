@@ -286,12 +286,7 @@ class ConnectorRouting(SchedulerRouting):
             if req_ids is not None:
                 self._step_rows = self._index_step(scheduler_output, step, req_ids, requests or {})
         elif isinstance(step, StepFailure):
-            blocks = np.unique(np.asarray(step.slot_mapping, dtype=np.int64) // self._block_size)
-            logger.error(
-                "slotroute: a step's routing failed its check; its %d requests' routing is dropped: %s",
-                len(scheduler_output.num_scheduled_tokens), step.error,
-            )
-            self.store.invalidate_blocks(blocks[(blocks >= 0) & (blocks < self.store.num_blocks)])
+            self.fail_step(scheduler_output, step.slot_mapping, step.error)
 
     def _index_step(self, scheduler_output, step: RoutedExpertsLists, req_ids, requests) -> _StepRows | None:
         """Where each request's rows sit in the step's payload (NOTE 2), or ``None`` if
@@ -350,7 +345,7 @@ class ConnectorRouting(SchedulerRouting):
         """Fail the requests whose read missed in this output; forget parked blocks of
         requests the scheduler no longer holds (aborted while preempted)."""
         self._step_rows = None
-        if self._missing:
+        if self._missing or self._failed:
             self.finish_missing(scheduler, outputs)
         if self._parked and not self._parked.keys() <= scheduler.requests.keys():
             for req_id in self._parked.keys() - scheduler.requests.keys():

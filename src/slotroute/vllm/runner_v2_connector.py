@@ -55,6 +55,15 @@ class PendingStep:
         return step_output(self.pending)
 
 
+def runner_device(vllm_config) -> torch.device:
+    """The device V2's runner computes on: ``vllm_config.device_config.device``, with the
+    current CUDA device's index where it names none (vLLM sets it per worker)."""
+    device = torch.device(vllm_config.device_config.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class StepConnector:
     """What the V2 runner holds as ``aux_output_connector``: a
     :class:`~slotroute.vllm.worker.WorkerRouting` bound to the model's routers.
@@ -64,8 +73,9 @@ class StepConnector:
     """
 
     def __init__(self, model: torch.nn.Module, vllm_config, kv_cache_config) -> None:
-        device = next(model.parameters()).device
-        self.routing = WorkerRouting(vllm_config, kv_cache_config, model, device)
+        # The device the runner runs on, not a parameter's: --cpu-offload-gb may leave
+        # the first parameters on the host.
+        self.routing = WorkerRouting(vllm_config, kv_cache_config, model, runner_device(vllm_config))
         self._slots: torch.Tensor | None = None
 
     def begin_step(self, metadata) -> None:

@@ -26,7 +26,7 @@ from slotroute.store import RoutedExpertsManager
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 
-__all__ = ["SchedulerRouting", "scheduler_patches"]
+__all__ = ["SchedulerRouting", "is_failed_step", "scheduler_patches"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -34,6 +34,12 @@ SCHEDULER = "vllm.v1.core.sched.scheduler"
 # Attribute names slotroute sets on vLLM objects it does not own.
 _STEP_ATTR = "_slotroute_step"
 _WATCHER_ATTR = "_slotroute_on_new_blocks"
+
+
+def is_failed_step(data: np.ndarray, slot_mapping: np.ndarray) -> bool:
+    """Whether a step shipped in vLLM 0.28-0.30's ``RoutedExpertsLists`` is a worker's
+    report of a step that failed its check: no rows for the slots it wrote."""
+    return data.shape[0] == 0 and slot_mapping.shape[0] > 0
 
 
 def routing_spec(vllm_config) -> RoutingSpec:
@@ -112,6 +118,8 @@ class SchedulerRouting:
         self._pending: deque[tuple[int, list[int]]] = deque()
         # (marker returned by get, the error) for reads that failed in this output.
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
+        # Ids of the requests of a step whose routing failed its check, in this output.
+        self._failed: set[str] = set()
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config, **extra) -> SchedulerRouting:
@@ -134,14 +142,29 @@ class SchedulerRouting:
     # -- vLLM's interface ---------------------------------------------------------
 
     def store_batch(self, data: np.ndarray, slot_mapping: np.ndarray) -> None:
-        """Store one step's routing (see ``RoutedExpertsManager.store_batch``).
+        """Store one step's routing (see ``RoutedExpertsManager.store_batch``); a failed
+        step (:func:`is_failed_step`) stores nothing: :meth:`fail_step` dropped its blocks.
 
         Raises
         ------
         ValueError, IndexError
             As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
         """
+        if is_failed_step(data, slot_mapping):
+            return
         self.store.store_batch(data, slot_mapping)
+
+    def fail_step(self, scheduler_output, slot_mapping, error: str = "") -> None:
+        """A step whose routing failed the worker's check: drop the blocks it wrote (a
+        later read of them raises) and fail every request of the step in this output
+        (:meth:`after_output`), so that each fails alone and the engine serves on."""
+        blocks = np.unique(np.asarray(slot_mapping, dtype=np.int64) // self.store.block_size)
+        logger.error(
+            "slotroute: a step's routing failed its check; its %d requests' routing is dropped%s",
+            len(scheduler_output.num_scheduled_tokens), f": {error}" if error else " (the worker logged why)",
+        )
+        self.store.invalidate_blocks(blocks[(blocks >= 0) & (blocks < self.store.num_blocks)])
+        self._failed.update(scheduler_output.num_scheduled_tokens)
 
     def get(self, block_ids, num_tokens: int, token_start: int = 0) -> np.ndarray:
         """Routing of a request's tokens ``token_start .. num_tokens - 1`` (a copy).
@@ -196,28 +219,32 @@ class SchedulerRouting:
         """:meth:`finish_missing`, then :meth:`forget_gone_requests`: what follows
         vLLM's ``update_from_output``. One call per step, bounded by two emptiness
         checks when nothing failed and no request left."""
-        if self._missing:
+        if self._missing or self._failed:
             self.finish_missing(scheduler, outputs)
         snapshots = scheduler._re_block_ids
         if not snapshots.keys() <= scheduler.requests.keys():  # a C-level subset test
             self.forget_gone_requests(scheduler)
 
     def finish_missing(self, scheduler, outputs: dict) -> None:
-        """Fail every request whose routing read missed in this output.
+        """Fail every request whose routing read missed in this output, and every
+        request of a failed step (:meth:`fail_step`) that has an output in it.
 
         Its output loses the marker and gets ``finish_reason=ERROR`` (the OpenAI server
         answers 500); a request still running is finished with ``FINISHED_ERROR``.
         """
-        if not self._missing:
+        if not self._missing and not self._failed:
             return
         from vllm.v1.engine import FinishReason
         from vllm.v1.request import RequestStatus
 
         errors = {id(marker): error for marker, error in self._missing}
+        failed, self._failed = self._failed, set()
         self._missing = []
         for engine_outputs in outputs.values():
             for output in engine_outputs.outputs:
                 error = errors.get(id(output.routed_experts))
+                if error is None and output.request_id in failed:
+                    error = MissingRoutingError("the routing of a step it ran failed the worker's check")
                 if error is None:
                     continue
                 logger.error("slotroute: request %s failed: %s", output.request_id, error)
@@ -295,7 +322,8 @@ def _make_schedule(original):
 
 def _make_update_from_output(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``:
-    invalidates before the step's ``store_batch``, fails requests whose read missed."""
+    invalidates before the step's ``store_batch``, drops a failed step's blocks, and
+    fails the requests whose read missed or whose step failed."""
 
     def update_from_output(self, scheduler_output, model_runner_output):
         routing = getattr(self, "routed_experts_mgr", None)
@@ -303,6 +331,9 @@ def _make_update_from_output(original):
             return original(self, scheduler_output, model_runner_output)
         if routing._pending:  # most steps queue no invalidation: skip the call
             routing.before_output(scheduler_output)
+        step = model_runner_output.routed_experts
+        if step is not None and is_failed_step(step.routing_data, step.slot_mapping):
+            routing.fail_step(scheduler_output, step.slot_mapping)
         outputs = original(self, scheduler_output, model_runner_output)
         routing.after_output(self, outputs)
         return outputs

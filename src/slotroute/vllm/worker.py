@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 from vllm.distributed.parallel_state import get_tp_group
 from vllm.forward_context import get_forward_context
@@ -230,18 +231,23 @@ def incomplete_capture(moe_layers: frozenset[int], rows_captured: dict[int, int]
 
 
 def as_vllm_lists(pending: PendingSnapshot):
-    """The snapshot's result in vLLM's own type (narrow ``routing_data``), or ``None``
-    on TP ranks other than 0.
-
-    Raises
-    ------
-    ValueError
-        From ``PendingSnapshot.arrays``: an expert id out of range, or a MoE layer that
-        captured nothing in this step.
-    """
+    """The snapshot's result in vLLM 0.28-0.30's own type (narrow ``routing_data``),
+    ``None`` on TP ranks other than 0, or, if the step failed its check, that type
+    holding no rows and the KV slots the step wrote (:func:`is_failed_step`), so that
+    the scheduler fails the step's requests alone and the engine serves on. The worker
+    logs the failure."""
     from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists  # vLLM 0.28-0.30
 
-    arrays = pending.arrays()
+    try:
+        arrays = pending.arrays()
+    except ValueError as error:
+        logger.error("slotroute: %s", error)
+        spec = pending.spec
+        rows = np.empty((0, *spec.token_shape), dtype=spec.storage_dtype)
+        slots = pending.failed_slots()
+        if slots is None or not len(slots):  # no slot known: still a failure, dropping no block
+            slots = np.full(1, -1, dtype=np.int64)
+        return VllmRoutedExpertsLists(routing_data=rows, slot_mapping=slots)
     if arrays is None:
         return None
     return VllmRoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
