@@ -71,7 +71,8 @@ class StepCapture:
     :class:`~slotroute.vllm.worker.WorkerRouting` bound to the model's routers.
 
     Invariant: ``get_routed_experts`` of a step sees rows that the step's forward
-    wrote, or ``NOT_CAPTURED`` (``begin_step`` reset them before the forward).
+    wrote, or ``NOT_CAPTURED`` (the previous snapshot's kernel cleared them, or
+    ``begin_step`` after a dummy run).
     """
 
     def __init__(self, runner) -> None:

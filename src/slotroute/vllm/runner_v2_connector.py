@@ -69,7 +69,8 @@ class StepConnector:
     :class:`~slotroute.vllm.worker.WorkerRouting` bound to the model's routers.
 
     Invariant: ``prepare_output`` of a step ships rows that the step's forward wrote,
-    or fails the check (``begin_step`` reset them before the forward).
+    or fails the check (the previous snapshot's kernel cleared the buffer, or
+    ``begin_step`` after a dummy run).
     """
 
     def __init__(self, model: torch.nn.Module, vllm_config, kv_cache_config) -> None:

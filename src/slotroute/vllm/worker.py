@@ -24,7 +24,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
     bind_routed_experts_capturer,
 )
 
-from slotroute.capture import NOT_CAPTURED, BatchLayout, PendingSnapshot, RoutedExpertsCapturer
+from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.connector import StepFailure
 from slotroute.vllm.scheduler import attention_gid, routing_spec
