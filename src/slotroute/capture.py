@@ -448,8 +448,9 @@ class RoutedExpertsCapturer:
         fill = torch.full(spec.token_shape, NOT_CAPTURED, dtype=torch.int32)
         fill[dense] = 0
         self._fill = fill.reshape(-1).to(device)
+        self._row_ids = spec.num_layers * spec.top_k
         self._buffer = torch.empty((self._max_num_tokens, *spec.token_shape), dtype=torch.int32, device=device)
-        self._buffer.copy_(fill.to(device).expand_as(self._buffer))
+        self.clear_buffer()
         self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
         # One view per layer, made once: capture() then slices a single dimension.
         self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
@@ -466,7 +467,6 @@ class RoutedExpertsCapturer:
         self._copy_stream = None
         self._ring: list[_RingSlot] = []
         self._next_slot = 0
-        self._row_ids = spec.num_layers * spec.top_k
         self._row_bytes = self._row_ids * spec.storage_dtype.itemsize
         if self._device.type == "cuda" and self._tp_rank == 0:
             self._narrow = _TORCH_STORAGE[spec.storage_dtype]
