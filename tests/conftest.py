@@ -227,22 +227,34 @@ def step_reads_checked(request, monkeypatch):
     from slotroute.vllm.connector import ConnectorRouting
 
     seen = StepReads(mismatches=[])
-    original = ConnectorRouting._rows_of_step
+
+    def check(self, req_id, start, end, rows):
+        seen.from_payload += 1
+        seen.rows_from_payload += len(rows)
+        try:
+            expected = self._read_into(req_id, start, end)
+        except MissingRoutingError as error:
+            seen.mismatches.append((req_id, start, end, f"the store read raises: {error}"))
+        else:
+            if not np.array_equal(rows, expected):
+                seen.mismatches.append((req_id, start, end, "rows differ from the store read"))
+
+    original_rows, original_index = ConnectorRouting._rows_of_step, ConnectorRouting._index_step
 
     def _rows_of_step(self, req_id, start, end):
-        rows = original(self, req_id, start, end)
+        rows = original_rows(self, req_id, start, end)
         if rows is not None:
-            seen.from_payload += 1
-            seen.rows_from_payload += len(rows)
-            try:
-                expected = self._read_into(req_id, start, end)
-            except MissingRoutingError as error:
-                seen.mismatches.append((req_id, start, end, f"the store read raises: {error}"))
-            else:
-                if not np.array_equal(rows, expected):
-                    seen.mismatches.append((req_id, start, end, "rows differ from the store read"))
+            check(self, req_id, start, end, rows)
         return rows
 
+    def _index_step(self, *args):
+        step = original_index(self, *args)
+        for req_id, rows in ({} if step is None else step.ready).items():
+            start = self._cursors[req_id]
+            check(self, req_id, start, start + len(rows), rows)
+        return step
+
     monkeypatch.setattr(ConnectorRouting, "_rows_of_step", _rows_of_step)
+    monkeypatch.setattr(ConnectorRouting, "_index_step", _index_step)
     yield seen
     assert not seen.mismatches, f"payload reads that differ from the store read: {seen.mismatches[:5]}"

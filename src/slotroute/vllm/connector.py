@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, compress, repeat
 
 import numpy as np
 
@@ -32,6 +32,11 @@ from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.scheduler import SchedulerRouting, _make_get_new_blocks, _WATCHER_ATTR
 from slotroute.wire import RoutedExpertsLists
+
+try:
+    from slotroute import _native
+except ImportError:  # no C compiler at install: token_slots' Python loop
+    _native = None
 
 __all__ = ["ConnectorRouting", "StepFailure", "StepMeta", "connector_patches"]
 
@@ -67,17 +72,36 @@ def first_row(request) -> int:
     return max(start, 0)
 
 
+def token_slots(req_ids: list, positions: np.ndarray, req_blocks: dict, block_size: int) -> np.ndarray:
+    """The KV slot of one token per request (a new int64 array): that of request
+    ``req_ids[i]``'s token at ``positions[i]`` in its blocks (``req_blocks``: request
+    id -> list of vLLM ``KVCacheBlock``), -1 where it has no block there. In C where
+    slotroute's extension is built; this loop is the reference it is tested against."""
+    out = np.empty(len(req_ids), np.int64)
+    if _native is not None:
+        _native.token_slots(out, req_ids, np.ascontiguousarray(positions, np.int64), req_blocks, block_size)
+        return out
+    for i, (req_id, position) in enumerate(zip(req_ids, positions.tolist())):
+        blocks = req_blocks.get(req_id) or ()
+        index = position // block_size
+        found = 0 <= position and index < len(blocks)
+        out[i] = blocks[index].block_id * block_size + position % block_size if found else -1
+    return out
+
+
 class _StepRows:
     """The step just stored, indexed for :meth:`ConnectorRouting.take_output` (NOTE 2):
-    its rows and slots as the worker shipped them; per request (``where``) its first
-    row in them, the position of its first token in this step and its token count; and
-    the rows gathered from the store for requests whose output begins before this
-    step's tokens (``caught_up``: request id -> (first row, buffer))."""
+    its rows and slots as the worker shipped them; the row of each request that
+    forwarded one token at its cursor, checked and copied (``ready``: request id ->
+    rows), which ``take_output`` pops; per other request (``where``) its first row in the
+    payload, the position of its first token in this step and its token count; and the
+    rows gathered from the store for requests whose output begins before this step's
+    tokens (``caught_up``: request id -> (first row, buffer))."""
 
-    __slots__ = ("data", "slots", "where", "caught_up")
+    __slots__ = ("data", "slots", "ready", "where", "caught_up")
 
-    def __init__(self, data, slots, where, caught_up) -> None:
-        self.data, self.slots, self.where, self.caught_up = data, slots, where, caught_up
+    def __init__(self, data, slots, ready, where, caught_up) -> None:
+        self.data, self.slots, self.ready, self.where, self.caught_up = data, slots, ready, where, caught_up
 
 
 class ConnectorRouting(SchedulerRouting):
@@ -102,9 +126,12 @@ class ConnectorRouting(SchedulerRouting):
     order of ``ModelRunnerOutput.req_ids`` (the V2 runner sorts its batch; that list
     is its order), each request's ``num_scheduled_tokens`` rows in a run, from the
     position ``num_computed_tokens`` the scheduler output gave the worker. So
-    :meth:`take_step` indexes the payload in one pass, and :meth:`take_output` copies
-    a slice of it after checking that the slice's first slot is the KV slot of the
-    request's token there (one block lookup): a layout that is not what this note
+    :meth:`take_step` indexes the payload once. A request that forwarded one token
+    at its cursor (every request of a decode step) has its row checked there, its
+    payload slot against the KV slot of its token (one C loop over the step's
+    requests' blocks, :func:`token_slots`), and copied; :meth:`take_output` pops it.
+    For any other request :meth:`take_output` copies a slice of the payload after
+    the same check of the slice's first slot. A layout that is not what this note
     says never hands out a row, it only sends the request to the store read.
     Catch-up rows (a prefix-cache hit, earlier prefill chunks, a resumed request) are
     gathered from the store in :meth:`take_step`, all of a step's in one pass, into
@@ -161,20 +188,29 @@ class ConnectorRouting(SchedulerRouting):
         one (``output``, vLLM's worker output, was stored before vLLM's
         ``update_from_output`` ran). ``None`` if there are none yet.
 
-        A copy (or a buffer of its own): from the step's payload where NOTE 2 finds
-        them there, a slice copied, bounded by Python call overhead; else one store
-        read over the blocks that hold them."""
+        A copy (or a buffer of its own): for a request that forwarded one token in the
+        step, the row :meth:`take_step` checked and copied (a dict lookup: bounded by
+        Python call overhead); from the step's payload where NOTE 2 finds them there, a
+        slice copied; else one store read over the blocks that hold them."""
         req_id = request.request_id
-        start = self._cursors.get(req_id)
+        step = self._step_rows
+        cursors = self._cursors
+        if step is not None and step.ready:
+            rows = step.ready.pop(req_id, None)
+            # Ready rows start at the request's cursor (checked by take_step) and are one.
+            if rows is not None and cursors[req_id] + 1 == request.num_tokens - 1:
+                cursors[req_id] += 1
+                return rows
+        start = cursors.get(req_id)
         if start is None:
             start = first_row(request)
         end = request.num_tokens - 1
         if end < start:
             return None
-        rows = None if self._step_rows is None else self._rows_of_step(req_id, start, end)
+        rows = None if step is None else self._rows_of_step(req_id, start, end)
         if rows is None:
             rows = self._read(req_id, start, end)
-        self._cursors[req_id] = end
+        cursors[req_id] = end
         return rows
 
     def _rows_of_step(self, req_id: str, start: int, end: int) -> np.ndarray | None:
@@ -290,33 +326,74 @@ class ConnectorRouting(SchedulerRouting):
 
     def _index_step(self, scheduler_output, step: RoutedExpertsLists, req_ids, requests) -> _StepRows | None:
         """Where each request's rows sit in the step's payload (NOTE 2), or ``None`` if
-        ``req_ids`` does not lay out the payload's rows. Bounded by C-level passes over
-        the step's requests; the catch-up gather adds a pass over the requests of a
-        step that schedules more than one token for some request."""
+        ``req_ids`` does not lay out the payload's rows. The row of each request that
+        forwarded one token and whose output continues there is checked against its
+        KV slot and copied now (``ready``), in C-level passes over the step's requests
+        and one C loop over their blocks; the other requests are indexed for
+        :meth:`_rows_of_step`, and a step that schedules more than one token for some
+        request gathers its catch-up rows (a pass over its requests)."""
         counts = scheduler_output.num_scheduled_tokens
-        if len(req_ids) != len(counts):
+        req_ids = req_ids if type(req_ids) is list else list(req_ids)
+        n = len(req_ids)
+        data, slots = step.routing_data, step.slot_mapping
+        if n != len(counts) or n == 0:
             return None
-        try:
-            sizes = list(map(counts.__getitem__, req_ids))
-        except KeyError:
-            return None
-        starts = list(accumulate(sizes, initial=0))
-        if starts[-1] != step.slot_mapping.shape[0]:
-            return None
+        # Every scheduled request forwards at least one token: as many tokens as
+        # requests is one each, and their rows lie in req_ids' order.
+        decodes_only = scheduler_output.total_num_scheduled_tokens == n == slots.shape[0]
+        if decodes_only:
+            sizes = starts = None
+        else:
+            try:
+                sizes = np.fromiter(map(counts.__getitem__, req_ids), np.int64, n)
+            except KeyError:
+                return None
+            starts = np.zeros(n + 1, np.int64)
+            np.cumsum(sizes, out=starts[1:])
+            if starts[-1] != slots.shape[0]:
+                return None
+        cached = scheduler_output.scheduled_cached_reqs
+        new_reqs = scheduler_output.scheduled_new_reqs
+        firsts = None
+        if not new_reqs and cached.req_ids == req_ids:  # the worker kept the scheduler's order
+            positions = np.fromiter(cached.num_computed_tokens, np.int64, n)
+        else:
+            firsts = self._firsts(scheduler_output)
+            try:
+                positions = np.fromiter(map(firsts.__getitem__, req_ids), np.int64, n)
+            except KeyError:
+                return None
+        # One token forwarded, the output's next row at it, and the token's slot in the
+        # payload that of the request's KV block: its row is ready now.
+        cursors = np.fromiter(map(self._cursors.get, req_ids, repeat(-1)), np.int64, n)
+        first_slots = slots if decodes_only else slots[starts[:-1]]
+        ok = (cursors == positions) & (token_slots(req_ids, positions, self._req_blocks, self._block_size) == first_slots)
+        if not decodes_only:
+            ok &= sizes == 1
+        if decodes_only and ok.all():
+            return _StepRows(data, slots, dict(zip(req_ids, map(np.ndarray.copy, data[:, None]))), {}, {})
+        if decodes_only:
+            sizes, starts = np.ones(n, np.int64), np.arange(n + 1, dtype=np.int64)
+        picked = ok.tolist()
+        ready = dict(zip(compress(req_ids, picked), map(np.ndarray.copy, data[starts[:-1][ok], None])))
+        rest = [not p for p in picked]
+        where = dict(zip(compress(req_ids, rest), compress(zip(starts.tolist(), positions.tolist(), sizes.tolist()), rest)))
+        # A step with no new or resumed request that forwards one token per request is
+        # all decodes: no request's output starts before its token of this step.
+        if decodes_only and not new_reqs and not cached.resumed_req_ids:
+            caught_up = {}
+        else:
+            caught_up = self._catch_up(firsts or self._firsts(scheduler_output), counts, requests)
+        return _StepRows(data, slots, ready, where, caught_up)
+
+    @staticmethod
+    def _firsts(scheduler_output) -> dict:
+        """Request id -> position of its first token in the step (its computed tokens)."""
         cached = scheduler_output.scheduled_cached_reqs
         firsts = dict(zip(cached.req_ids, cached.num_computed_tokens))
-        new_reqs = scheduler_output.scheduled_new_reqs
-        for new in new_reqs:
+        for new in scheduler_output.scheduled_new_reqs:
             firsts[new.req_id] = new.num_computed_tokens
-        try:
-            where = dict(zip(req_ids, zip(starts, map(firsts.__getitem__, req_ids), sizes)))
-        except KeyError:
-            return None
-        # A step of one token per request, none new or resumed, is all decodes: no
-        # request's output starts before its token of this step.
-        decodes_only = not new_reqs and not cached.resumed_req_ids and starts[-1] == len(counts)
-        caught_up = {} if decodes_only else self._catch_up(firsts, counts, requests)
-        return _StepRows(step.routing_data, step.slot_mapping, where, caught_up)
+        return firsts
 
     def _catch_up(self, firsts: dict, counts: dict, requests: dict) -> dict:
         """The rows before this step's tokens of every request whose output starts
