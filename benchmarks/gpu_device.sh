@@ -4,7 +4,9 @@
 # dependencies in /tmp/site). From the checkout's root:
 #
 #   bash benchmarks/gpu_device.sh install             # slotroute next to that vLLM
-#   bash benchmarks/gpu_device.sh tests               # capture tests, then the engine tests on V2 and V1
+#   bash benchmarks/gpu_device.sh tests               # capture tests, the engine tests on V2 (with the
+#                                                     # differential against vLLM's own path), then on V1
+#   bash benchmarks/gpu_device.sh tests v2|v1|capture # one part of that
 #   bash benchmarks/gpu_device.sh bench v2 BUDGET_S [gpu_engine.py arguments]
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
@@ -26,12 +28,20 @@ install)
   python3 -c "import slotroute, slotroute._native, vllm, torch; print('slotroute', slotroute.__file__, 'vllm', vllm.__version__, 'torch', torch.__version__)"
   ;;
 tests)
+  part=${2:-all}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
-  python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v2.log 2>&1
-  echo "V2 rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/vllm_gpu_v2.log | tail -15
-  VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v1.log 2>&1
-  echo "V1 rc=$?"; grep -E "passed|failed|FAILED|Error" $OUT/vllm_gpu_v1.log | tail -15
+  if [ "$part" = all ] || [ "$part" = capture ]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
+  fi
+  if [ "$part" = all ] || [ "$part" = v2 ]; then
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py tests/test_vllm_gpu_differential.py \
+      > $OUT/vllm_gpu_v2.log 2>&1
+    echo "V2 rc=$?"; grep -E "RESULT|passed|failed|FAILED|Error" $OUT/vllm_gpu_v2.log | tail -15
+  fi
+  if [ "$part" = all ] || [ "$part" = v1 ]; then
+    VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v1.log 2>&1
+    echo "V1 rc=$?"; grep -E "RESULT|passed|failed|FAILED|Error" $OUT/vllm_gpu_v1.log | tail -15
+  fi
   ;;
 bench)
   runner=${2:?v2 or v1}; budget=${3:?seconds}; shift 3

@@ -48,22 +48,22 @@ def probe(*version: str, **env: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("version", ["0.28.0", "0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu", "0.31.0", "0.32.0+cpu"])
+@pytest.mark.parametrize("version", ["0.28.0", "0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu", "0.31.0", "0.32.0+cpu", "0.33.0"])
 def test_supported_versions_have_no_refusal(version):
     assert unsupported_reason(version) is None
 
 
-@pytest.mark.parametrize("version", ["0.27.1", "0.33.0", "1.0.0", "main"])
+@pytest.mark.parametrize("version", ["0.27.1", "0.34.0", "1.0.0", "main"])
 def test_other_versions_are_refused(version):
     reason = unsupported_reason(version)
-    assert "supports" in reason and "0.28.x, 0.29.x, 0.30.x, 0.31.x, 0.32.x" in reason
+    assert "supports" in reason and "0.28.x, 0.29.x, 0.30.x, 0.31.x, 0.32.x, 0.33.x" in reason
 
 
 def test_unsupported_vllm_is_left_unpatched_with_one_log_line():
-    found = probe("0.33.0")
+    found = probe("0.34.0")
     assert found["outcomes"] == ["unsupported", "unsupported"]
     assert not found["patched"]
-    assert len(found["lines"]) == 1 and "0.33.0" in found["lines"][0]
+    assert len(found["lines"]) == 1 and "0.34.0" in found["lines"][0]
 
 
 def test_disable_switch_leaves_vllm_unpatched():

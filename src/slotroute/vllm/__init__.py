@@ -50,6 +50,7 @@ ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
     (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2"),
     (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
     (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
+    (0, 33): ("cpu", "connector_0_33", "runner_v1_connector", "runner_v2_connector"),
 }
 SUPPORTED = tuple(sorted(ADAPTERS))
 _SUPPORTED_TEXT = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
@@ -77,6 +78,7 @@ _PATCH_SETS = {
     "runner_v1": ("slotroute.vllm.runner_v1", "v1_runner_patches"),
     "runner_v2": ("slotroute.vllm.runner_v2", "v2_runner_patches"),
     "connector": ("slotroute.vllm.connector", "connector_patches"),
+    "connector_0_33": ("slotroute.vllm.connector", "connector_patches_0_33"),
     "runner_v1_connector": ("slotroute.vllm.runner_v1", "v1_runner_connector_patches"),
     "runner_v2_connector": ("slotroute.vllm.runner_v2_connector", "v2_runner_connector_patches"),
     "requests": ("slotroute.vllm.requests", "request_patches"),

@@ -38,7 +38,7 @@ try:
 except ImportError:  # no C compiler at install: token_slots' Python loop
     _native = None
 
-__all__ = ["ConnectorRouting", "StepFailure", "StepMeta", "connector_patches"]
+__all__ = ["PD_CONNECTORS", "ConnectorRouting", "StepFailure", "StepMeta", "connector_patches", "connector_patches_0_33", "token_slots"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -299,6 +299,26 @@ class ConnectorRouting(SchedulerRouting):
         """After a prefix-cache reset: nothing to drop. Cached blocks return to the free
         pool and are invalidated when they are handed out again."""
 
+    # -- vLLM 0.33's cache-hit calls ------------------------------------------------
+
+    def max_cache_hit(self, request) -> None:
+        """No bound on a local prefix-cache hit (vLLM 0.33 asks before its lookup):
+        a cached block's routing lives exactly as long as its KV, so every hit the
+        block pool finds is served. ``None`` is the scheduler's "no bound"."""
+        return None
+
+    def cap_external_hit(self, request, num_local: int, num_external: int) -> int:
+        """Tokens of a KV connector's hit to load (vLLM 0.33): none. KV loaded from
+        outside the block pool arrives without its routing, so those tokens are
+        recomputed and their routing captured fresh; the request is served from its
+        local hit on."""
+        return 0
+
+    def request_loading(self, request, num_tokens: int) -> None:
+        """An async KV load starts for the request (vLLM 0.33): nothing to hold, as
+        :meth:`cap_external_hit` admits no load (the scheduler calls this only after
+        admitting one)."""
+
     # -- steps ----------------------------------------------------------------------
 
     def take_step(self, scheduler_output, step, req_ids=None, requests=None) -> None:
@@ -468,32 +488,46 @@ def _make_update_from_output(original):
     return update_from_output
 
 
-def _make_verify_config(original):
+# vLLM's P/D connectors, which vLLM refuses with routed experts too: their KV arrives
+# from another engine, whose routing no hook brings along.
+PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector", "MooncakeConnector")
+
+
+def _make_verify_config(original, caps_external_hits: bool = False):
     """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
-    vLLM's checks, less the two its own connector needs and slotroute does not (the V2
-    model runner, prefix caching), and any KV transfer connector refused, not only
-    vLLM's P/D ones (as vLLM 0.28-0.30 did)."""
+    vLLM's checks in vLLM's words, less the two its own connector needs and slotroute
+    does not (the V2 model runner, prefix caching). vLLM's P/D connectors are refused as
+    vLLM refuses them. Any other KV transfer connector (offloading, LMCache) is served
+    where the scheduler lets slotroute cap its hits (``caps_external_hits``, vLLM 0.33:
+    :meth:`ConnectorRouting.cap_external_hit`), and refused where it does not."""
 
     def _verify_aux_output_compatibility(self) -> None:
         if not self.aux_output_config.enabled:
             return
-        refused = None
+        flag = "--enable-return-routed-experts is incompatible with"
         if self.model_config.runner_type != "generate":
-            refused = "a generate runner"
-        elif not self.model_config.is_moe:
-            refused = "a MoE model"
-        elif self.speculative_config is not None and self.speculative_config.enable_adaptive_verification:
-            refused = "no adaptive speculative verification"
-        elif self.parallel_config.pipeline_parallel_size > 1:
-            refused = "no pipeline parallelism (PP > 1)"
-        elif self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
-            refused = "no context parallelism (DCP/PCP > 1)"
-        elif self.kv_transfer_config is not None and self.kv_transfer_config.kv_connector is not None:
-            # KV a connector loads (P/D, offloading) arrives without its routing, and these
-            # versions have no hook to recompute such hits instead.
-            refused = "no KV transfer connector: KV loaded from outside the block pool has no routing"
-        if refused is not None:
-            raise ValueError(f"--enable-return-routed-experts needs {refused}")
+            raise ValueError("AuxOutput Connector only supports generate runners.")
+        if not self.model_config.is_moe:
+            raise ValueError("AuxOutput Connector only supports MoE models.")
+        if self.speculative_config is not None and self.speculative_config.enable_adaptive_verification:
+            raise ValueError(f"{flag} adaptive speculative verification.")
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError(f"{flag} pipeline parallelism (PP > 1).")
+        if self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
+            raise ValueError(f"{flag} context parallelism (DCP/PCP > 1).")
+        kv_transfer_config = self.kv_transfer_config
+        if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+            return
+        for name in PD_CONNECTORS:
+            if kv_transfer_config.has_connector(name):
+                raise ValueError(f"{flag} {name}; PD auxiliary output is not supported.")
+        if not caps_external_hits:
+            # KV a connector loads arrives without its routing, and this vLLM has no hook
+            # to recompute such hits instead.
+            raise ValueError(
+                f"{flag} KV connectors on vLLM 0.31-0.32 with slotroute ({kv_transfer_config.kv_connector}): "
+                "KV loaded from outside the block pool has no routing, and this vLLM cannot recompute it"
+            )
 
     return _verify_aux_output_compatibility
 
@@ -501,19 +535,43 @@ def _make_verify_config(original):
 def connector_patches() -> list[Patch]:
     """The scheduler-side patches of vLLM 0.31-0.32, each verified against the
     installed vLLM."""
+    return _connector_patches(
+        "AuxOutputSchedulerConnector()", ("self.aux_output_connector.build_connector_meta(",), caps_external_hits=False
+    )
+
+
+def connector_patches_0_33() -> list[Patch]:
+    """The scheduler-side patches of vLLM 0.33, each verified against the installed
+    vLLM: those of 0.31-0.32, where vLLM now builds its connector over the KV cache
+    manager and asks it to bound cache hits (answered by ``ConnectorRouting``'s
+    ``max_cache_hit``, ``cap_external_hit`` and ``request_loading``)."""
+    return _connector_patches(
+        "AuxOutputSchedulerConnector(self.kv_cache_manager, self.connector)",
+        (
+            "self.aux_output_connector.build_connector_meta(",
+            "self.aux_output_connector.max_cache_hit(request)",
+            "self.aux_output_connector.cap_external_hit(",
+            "self.aux_output_connector.request_loading(",
+            "load_kv_async &= num_external_computed_tokens > 0",
+        ),
+        caps_external_hits=True,
+    )
+
+
+def _connector_patches(built_as: str, schedule_calls: tuple[str, ...], caps_external_hits: bool) -> list[Patch]:
     return [
         Patch("vllm.config.vllm", "VllmConfig._verify_aux_output_compatibility", ("self",),
               ("AuxOutput Connector requires Model Runner V2", "AuxOutput Connector requires prefix caching",
-               "pipeline_parallel_size > 1", "prefill_context_parallel_size > 1", "MooncakeConnector"),
-              _make_verify_config),
+               "pipeline_parallel_size > 1", "prefill_context_parallel_size > 1", "MooncakeConnector",
+               "kv_transfer_config.has_connector(connector_name)"),
+              lambda original: _make_verify_config(original, caps_external_hits)),
         Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
               ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
         Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
               ("manager.req_to_blocks.get(request_id)", "for manager in self.single_type_managers"), None),
-        Patch(SCHEDULER, "Scheduler.__init__", None,
-              ("AuxOutputSchedulerConnector()", "self.kv_cache_manager = KVCacheManager("), _make_scheduler_init),
-        Patch(SCHEDULER, "Scheduler.schedule", None,
-              ("self.aux_output_connector.build_connector_meta(",), None),
+        Patch(SCHEDULER, "Scheduler.__init__", None, (built_as, "self.kv_cache_manager = KVCacheManager("),
+              _make_scheduler_init),
+        Patch(SCHEDULER, "Scheduler.schedule", None, schedule_calls, None),
         Patch(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
               ("self.aux_output_connector.take_output(", "model_runner_output.aux_output_connector_output"),
               _make_update_from_output),

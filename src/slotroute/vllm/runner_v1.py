@@ -24,7 +24,7 @@ from __future__ import annotations
 from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
 
 from slotroute.capture import PendingSnapshot
-from slotroute.vllm.patches import Patch
+from slotroute.vllm.patches import Patch, PatchError
 from slotroute.vllm.worker import WorkerRouting, as_vllm_lists, step_output
 
 __all__ = ["AsyncOutputWithRouting", "v1_runner_connector_patches", "v1_runner_patches"]
@@ -57,6 +57,11 @@ class AsyncOutputWithRouting(AsyncModelRunnerOutput):
         output = self._inner.get_output()
         self._ship(output, self._pending)
         return output
+
+    def get_kv_connector_output(self):
+        """The wrapped output's KV connector output (an abstract method from vLLM 0.33
+        on, which vLLM reads when ``get_output`` raises)."""
+        return self._inner.get_kv_connector_output()
 
     def __getattr__(self, name: str):
         return getattr(self._inner, name)
@@ -156,8 +161,18 @@ def v1_runner_patches() -> list[Patch]:
 
 
 def v1_runner_connector_patches() -> list[Patch]:
-    """The V1 runner's patches for vLLM 0.31-0.32, each verified against the
-    installed vLLM."""
+    """The V1 runner's patches for vLLM 0.31+, each verified against the installed
+    vLLM.
+
+    Raises
+    ------
+    PatchError
+        The installed vLLM's async output declares an abstract method that
+        :class:`AsyncOutputWithRouting` does not define, so it could not be built.
+    """
+    if AsyncOutputWithRouting.__abstractmethods__:
+        missing = ", ".join(sorted(AsyncOutputWithRouting.__abstractmethods__))
+        raise PatchError(f"vllm.v1.outputs.AsyncModelRunnerOutput declares {missing}, which slotroute's wrapper lacks")
     return [
         Patch(RUNNER, "GPUModelRunner.initialize_kv_cache", ("self", "kv_cache_config", "is_profiling", "..."),
               ("self.kv_cache_config = kv_cache_config",), _make_initialize_kv_cache),

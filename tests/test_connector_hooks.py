@@ -1,0 +1,113 @@
+"""What slotroute's connector answers to vLLM's configuration check and to vLLM 0.33's
+cache-hit calls, without an engine (vLLM's config enters as plain objects with the
+attributes the check reads). The patch sets themselves are verified against installed
+vLLMs in test_vllm_plugin.py and, for 0.33, against its wheel in test_vllm_0_33.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from slotroute.spec import RoutingSpec
+from slotroute.tools.bench import make_scheduler_read_workload
+from slotroute.vllm.connector import PD_CONNECTORS, _make_verify_config
+
+
+def config(kv_connector: str | None = None, **changes) -> SimpleNamespace:
+    """A VllmConfig as ``_verify_aux_output_compatibility`` reads it: routed experts on,
+    a generate runner, a MoE model, no PP/DCP/PCP, and ``kv_connector`` if given."""
+    kv = None
+    if kv_connector is not None:
+        kv = SimpleNamespace(kv_connector=kv_connector, has_connector=lambda name: name == kv_connector)
+    base = dict(
+        aux_output_config=SimpleNamespace(enabled=True),
+        model_config=SimpleNamespace(runner_type="generate", is_moe=True),
+        speculative_config=None,
+        parallel_config=SimpleNamespace(
+            pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1
+        ),
+        kv_transfer_config=kv,
+    )
+    base.update(changes)
+    return SimpleNamespace(**base)
+
+
+@pytest.fixture(params=[False, True], ids=["0.31-0.32", "0.33"])
+def verify(request):
+    return _make_verify_config(None, caps_external_hits=request.param), request.param
+
+
+def test_a_config_vllm_accepts_is_accepted_without_the_v2_runner_or_prefix_caching(verify):
+    check, _ = verify
+    check(config())  # nothing about the runner or prefix caching is read
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        ({"model_config": SimpleNamespace(runner_type="pooling", is_moe=True)}, "AuxOutput Connector only supports generate runners."),
+        ({"model_config": SimpleNamespace(runner_type="generate", is_moe=False)}, "AuxOutput Connector only supports MoE models."),
+        ({"speculative_config": SimpleNamespace(enable_adaptive_verification=True)},
+         "--enable-return-routed-experts is incompatible with adaptive speculative verification."),
+        ({"parallel_config": SimpleNamespace(pipeline_parallel_size=2, decode_context_parallel_size=1,
+                                             prefill_context_parallel_size=1)},
+         "--enable-return-routed-experts is incompatible with pipeline parallelism (PP > 1)."),
+        ({"parallel_config": SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2,
+                                             prefill_context_parallel_size=1)},
+         "--enable-return-routed-experts is incompatible with context parallelism (DCP/PCP > 1)."),
+    ],
+)
+def test_what_vllm_refuses_is_refused_in_vllms_words(verify, changes, words):
+    check, _ = verify
+    with pytest.raises(ValueError) as raised:
+        check(config(**changes))
+    assert str(raised.value) == words
+
+
+@pytest.mark.parametrize("name", PD_CONNECTORS)
+def test_pd_connectors_are_refused_in_vllms_words(verify, name):
+    check, _ = verify
+    with pytest.raises(ValueError) as raised:
+        check(config(name))
+    assert str(raised.value) == f"--enable-return-routed-experts is incompatible with {name}; PD auxiliary output is not supported."
+
+
+@pytest.mark.parametrize("name", ["OffloadingConnector", "LMCacheConnectorV1", "ExampleConnector"])
+def test_other_kv_connectors_are_served_only_where_their_hits_can_be_capped(verify, name):
+    check, caps = verify
+    if caps:
+        check(config(name))
+    else:
+        with pytest.raises(ValueError, match=f"incompatible with KV connectors on vLLM 0.31-0.32 with slotroute \\({name}\\)"):
+            check(config(name))
+
+
+def test_routing_off_is_never_refused(verify):
+    check, _ = verify
+    check(config("NixlConnector", aux_output_config=SimpleNamespace(enabled=False)))
+
+
+# -- vLLM 0.33's cache-hit calls ------------------------------------------------------
+
+
+@pytest.fixture
+def routing():
+    return make_scheduler_read_workload(RoutingSpec(num_layers=2, top_k=2, num_experts=8), requests=4).routing
+
+
+def test_a_local_prefix_cache_hit_is_never_bounded(routing):
+    request = SimpleNamespace(request_id="r", num_tokens=100)
+    assert routing.max_cache_hit(request) is None  # vLLM's "no bound": num_tokens - 1
+
+
+@pytest.mark.parametrize("num_local, num_external", [(0, 64), (32, 16), (48, 0)])
+def test_an_external_kv_hit_is_capped_to_nothing_so_its_tokens_are_recomputed(routing, num_local, num_external):
+    request = SimpleNamespace(request_id="r", num_tokens=200)
+    assert routing.cap_external_hit(request, num_local, num_external) == 0
+
+
+def test_a_kv_load_changes_nothing_in_the_store(routing):
+    before = routing.store.stats()
+    routing.request_loading(SimpleNamespace(request_id="r", num_tokens=64), 32)
+    assert routing.store.stats() == before and "r" not in routing._cursors
