@@ -13,7 +13,7 @@ gcc -O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-re
 # Python itself is not instrumented: the sanitizer runtimes are preloaded, leak checks off.
 LD_PRELOAD="$(gcc -print-file-name=libasan.so) $(gcc -print-file-name=libubsan.so)" \
 ASAN_OPTIONS=detect_leaks=0 PYTHONPATH="$work/asan" \
-    python -m pytest -p no:cacheprovider tests/test_store.py tests/test_wire.py tests/test_capture.py \
+    python -m pytest -p no:cacheprovider tests/test_store.py tests/test_wire.py tests/test_capture.py tests/test_connector_step.py \
     -k "not importing_slotroute and not triton_interpreter and not resident_memory" "${@:2}"
 # Deselected: no Triton here (the C only), and the test of resident memory, which would
 # count the freed arrays that ASan holds in its quarantine.

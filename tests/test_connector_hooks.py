@@ -83,6 +83,15 @@ def test_other_kv_connectors_are_served_only_where_their_hits_can_be_capped(veri
             check(config(name))
 
 
+@pytest.mark.parametrize("enable_dbo, ubatch_size", [(True, 0), (False, 2)])
+def test_micro_batching_is_refused_naming_its_options(verify, enable_dbo, ubatch_size):
+    check, _ = verify
+    parallel = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=1, prefill_context_parallel_size=1,
+                               use_ubatching=enable_dbo or ubatch_size > 1)
+    with pytest.raises(ValueError, match=r"micro-batching with slotroute \(--enable-dbo or --ubatch-size > 1\)"):
+        check(config(parallel_config=parallel))
+
+
 def test_routing_off_is_never_refused(verify):
     check, _ = verify
     check(config("NixlConnector", aux_output_config=SimpleNamespace(enabled=False)))

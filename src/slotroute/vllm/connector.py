@@ -496,8 +496,8 @@ PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoR
 def _make_verify_config(original, caps_external_hits: bool = False):
     """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
     vLLM's checks in vLLM's words, less the two its own connector needs and slotroute
-    does not (the V2 model runner, prefix caching). vLLM's P/D connectors are refused as
-    vLLM refuses them. Any other KV transfer connector (offloading, LMCache) is served
+    does not (the V2 model runner, prefix caching), and micro-batching (DBO) refused,
+    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them. Any other KV transfer connector (offloading, LMCache) is served
     where the scheduler lets slotroute cap its hits (``caps_external_hits``, vLLM 0.33:
     :meth:`ConnectorRouting.cap_external_hit`), and refused where it does not."""
 
@@ -515,6 +515,13 @@ def _make_verify_config(original, caps_external_hits: bool = False):
             raise ValueError(f"{flag} pipeline parallelism (PP > 1).")
         if self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
             raise ValueError(f"{flag} context parallelism (DCP/PCP > 1).")
+        if getattr(self.parallel_config, "use_ubatching", False):
+            # A micro-batched step has no slot mapping of its own, so its rows could not
+            # be placed (vLLM's own path writes them at each micro-batch's offset).
+            raise ValueError(
+                f"{flag} micro-batching with slotroute (--enable-dbo or --ubatch-size > 1): a micro-batched "
+                "step's rows have no KV slots to be stored at; turn micro-batching off"
+            )
         kv_transfer_config = self.kv_transfer_config
         if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
             return
