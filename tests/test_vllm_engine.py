@@ -4,6 +4,8 @@ chunking or preemption, and that routing is what the model's routers computed.""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import logging
 
 import numpy as np
@@ -390,10 +392,10 @@ class LogLines(logging.Handler):
         self.logger.removeHandler(self)
 
 
-def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, reference):
-    """An expert id out of range in one step: the worker names its token and layer and
-    ships no rows; the step's request fails, the engine serves on exactly (every
-    generation: vLLM 0.28-0.30 get the report in their own ``RoutedExpertsLists``)."""
+@contextmanager
+def one_bad_expert_id(llm):
+    """The next step's capture of the last MoE layer gets an expert id out of range at
+    token 2 (the worker's check then fails that step)."""
     engine_core = llm.llm_engine.engine_core.engine_core
     capturer = engine_core.model_executor.driver_worker.worker.model_runner.__dict__["_slotroute_routing"].capturer
     capture, armed = capturer.capture, [True]
@@ -405,14 +407,22 @@ def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, refere
             topk_ids[2, 1] = TINY["num_experts"]
         return capture(layer_id, topk_ids, **kwargs)
 
-    llm.reset_prefix_cache()
-    prompt = prompt_tokens(63, 70)
     capturer.capture = capture_one_bad_id
     try:
-        with Spy(routing_of(scheduler_of(llm)), "fail_step") as failures, LogLines("vllm.slotroute") as log:
-            (failed,) = generate(llm, [prompt], greedy(4))
+        yield
     finally:
         del capturer.capture
+
+
+def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, reference):
+    """An expert id out of range in one step: the worker names its token and layer and
+    ships no rows; the step's request fails, the engine serves on exactly (every
+    generation: vLLM 0.28-0.30 get the report in their own ``RoutedExpertsLists``)."""
+    llm.reset_prefix_cache()
+    prompt = prompt_tokens(63, 70)
+    with one_bad_expert_id(llm), Spy(routing_of(scheduler_of(llm)), "fail_step") as failures, \
+            LogLines("vllm.slotroute") as log:
+        (failed,) = generate(llm, [prompt], greedy(4))
     assert failed.finish_reason == "error"
     assert len(failures.calls) == 1
     report = next(line for line in log.lines if "expert id(s) outside" in line)  # the worker's
@@ -421,6 +431,24 @@ def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, refere
     llm.reset_prefix_cache()
     (after,) = generate(llm, [prompt], greedy(4))
     assert_same_completion(after, reference(prompt, 4))
+
+
+def test_blocks_a_failed_step_wrote_leave_the_prefix_cache_and_are_recomputed(llm, reference):
+    """The prompt's full blocks were cached when its prefill was scheduled; the step
+    that filled them fails its check, so they leave the prefix cache with their
+    routing: the same prompt again misses the cache, is recomputed and returns exact
+    routing, where a hit would have failed it."""
+    llm.reset_prefix_cache()
+    prompt = prompt_tokens(65, 2 * BLOCK_SIZE + 9)
+    with one_bad_expert_id(llm):
+        (failed,) = generate(llm, [prompt], greedy(3))
+    assert failed.finish_reason == "error"
+    (again,) = generate(llm, [prompt], greedy(3))
+    assert again.num_cached_tokens == 0
+    assert_same_completion(again, reference(prompt, 3))
+    (hit,) = generate(llm, [prompt], greedy(3))  # the recomputed blocks are cached again
+    assert hit.num_cached_tokens == 2 * BLOCK_SIZE
+    assert_same_completion(hit, reference(prompt, 3))
 
 
 def test_prefix_cache_hit_is_served_from_the_slots_it_hit(llm, reference):

@@ -30,7 +30,7 @@ import numpy as np
 from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.scheduler import SchedulerRouting, _make_get_new_blocks, _WATCHER_ATTR
+from slotroute.vllm.scheduler import EVICT_BLOCKS, SchedulerRouting, _make_get_new_blocks
 from slotroute.wire import RoutedExpertsLists
 
 try:
@@ -463,7 +463,7 @@ def _make_scheduler_init(original):
         if self.aux_output_connector is not None:
             routing = ConnectorRouting.for_scheduler(self)
             self.aux_output_connector = routing
-            setattr(self.kv_cache_manager.block_pool, _WATCHER_ATTR, routing.on_new_blocks)
+            routing.connect(self.kv_cache_manager.block_pool)
 
     return __init__
 
@@ -574,6 +574,7 @@ def _connector_patches(built_as: str, schedule_calls: tuple[str, ...], caps_exte
               lambda original: _make_verify_config(original, caps_external_hits)),
         Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
               ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
+        EVICT_BLOCKS,
         Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
               ("manager.req_to_blocks.get(request_id)", "for manager in self.single_type_managers"), None),
         Patch(SCHEDULER, "Scheduler.__init__", None, (built_as, "self.kv_cache_manager = KVCacheManager("),

@@ -120,6 +120,8 @@ class SchedulerRouting:
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
         # Ids of the requests of a step whose routing failed its check, in this output.
         self._failed: set[str] = set()
+        # The block pool's BlockPool.evict_blocks, once connect() is called.
+        self._evict_cached = None
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config, **extra) -> SchedulerRouting:
@@ -154,16 +156,30 @@ class SchedulerRouting:
             return
         self.store.store_batch(data, slot_mapping)
 
+    def connect(self, block_pool) -> None:
+        """Watch vLLM's block pool: blocks it hands out for new data are invalidated
+        in step order (NOTE 1), and blocks a failed step wrote leave its prefix cache
+        (:meth:`fail_step`)."""
+        setattr(block_pool, _WATCHER_ATTR, self.on_new_blocks)
+        self._evict_cached = block_pool.evict_blocks
+
     def fail_step(self, scheduler_output, slot_mapping, error: str = "") -> None:
         """A step whose routing failed the worker's check: drop the blocks it wrote (a
         later read of them raises) and fail every request of the step in this output
-        (:meth:`after_output`), so that each fails alone and the engine serves on."""
+        (:meth:`after_output`), so that each fails alone and the engine serves on.
+        The blocks also leave vLLM's prefix cache (``BlockPool.evict_blocks``, as vLLM
+        does for a failed KV load): a later request with the same prefix recomputes
+        them instead of hitting blocks whose routing is gone. A request that hit them
+        before this output arrived fails alone at its read."""
         blocks = np.unique(np.asarray(slot_mapping, dtype=np.int64) // self.store.block_size)
         logger.error(
             "slotroute: a step's routing failed its check; its %d requests' routing is dropped%s",
             len(scheduler_output.num_scheduled_tokens), f": {error}" if error else " (the worker logged why)",
         )
-        self.store.invalidate_blocks(blocks[(blocks >= 0) & (blocks < self.store.num_blocks)])
+        blocks = blocks[(blocks >= 0) & (blocks < self.store.num_blocks)]
+        self.store.invalidate_blocks(blocks)
+        if self._evict_cached is not None:
+            self._evict_cached(set(blocks.tolist()))
         self._failed.update(scheduler_output.num_scheduled_tokens)
 
     def get(self, block_ids, num_tokens: int, token_start: int = 0) -> np.ndarray:
@@ -301,7 +317,7 @@ def _make_scheduler_init(original):
         original(self, *args, **kwargs)
         routing = getattr(self, "routed_experts_mgr", None)
         if self.enable_return_routed_experts and isinstance(routing, SchedulerRouting):
-            setattr(self.kv_cache_manager.block_pool, _WATCHER_ATTR, routing.on_new_blocks)
+            routing.connect(self.kv_cache_manager.block_pool)
 
     return __init__
 
@@ -341,6 +357,12 @@ def _make_update_from_output(original):
     return update_from_output
 
 
+# Verified only: what SchedulerRouting.fail_step calls to take a failed step's blocks
+# out of the prefix cache (vLLM's own use: blocks whose KV load failed).
+EVICT_BLOCKS = Patch("vllm.v1.core.block_pool", "BlockPool.evict_blocks", ("self", "block_ids"),
+                     ("self._maybe_evict_cached_block(block)",), None)
+
+
 def scheduler_patches() -> list[Patch]:
     """The scheduler-side patches, each verified against the installed vLLM."""
     return [
@@ -348,6 +370,7 @@ def scheduler_patches() -> list[Patch]:
               ("def store_batch", "def get("), _make_manager),
         Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
               ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
+        EVICT_BLOCKS,
         Patch(SCHEDULER, "Scheduler.__init__", None,
               ("self.routed_experts_mgr = RoutedExpertsManager(", "self.kv_cache_manager ="),
               _make_scheduler_init),
