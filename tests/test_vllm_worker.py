@@ -223,3 +223,42 @@ def test_the_v2_connector_captures_on_the_runners_device_not_where_a_parameter_l
     if torch.cuda.is_available():
         found = runner_device(SimpleNamespace(device_config=SimpleNamespace(device="cuda")))
         assert found == torch.device("cuda", torch.cuda.current_device())
+
+
+def _routed_experts_sink():
+    try:
+        from vllm.model_executor.layers.fused_moe.routed_experts_capturer import RoutedExpertsSink
+    except ImportError:
+        return None
+    return RoutedExpertsSink
+
+
+@pytest.mark.skipif(_routed_experts_sink() is None, reason="vLLM 0.32+'s monolithic-kernel sink")
+def test_monolithic_kernel_sink_hands_int16_ids_that_ship_as_captured():
+    """vLLM 0.32's monolithic MoE kernels (modular_kernel.py) write each layer's expert
+    ids into the layer's ``RoutedExpertsSink`` buffer, int16, and call its
+    ``capture_fn`` with the step's rows of it; ``bind_routed_experts_capturer`` makes
+    that function the capturer's ``capture`` for the layer. Driven the same way here,
+    the rows ship as written, and a negative id is caught by the snapshot's check."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    spec = RoutingSpec(num_layers=3, top_k=4, num_experts=16)
+    capturer = RoutedExpertsCapturer(spec, max_num_tokens=8, device="cpu")
+    moe_config = SimpleNamespace(use_ep=False, ep_size=1, dp_size=1, max_num_tokens=8,
+                                 experts_per_token=spec.top_k, device="cpu")
+    sinks = [_routed_experts_sink()(moe_config, partial(capturer.capture, layer)) for layer in range(spec.num_layers)]
+    assert sinks[0].buffer.dtype == torch.int16
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, spec.num_experts, (5, spec.num_layers, spec.top_k))
+    for layer, sink in enumerate(sinks):  # the kernel's writes, then its callback
+        out = sink.buffer[:5]
+        out.copy_(torch.from_numpy(ids[:, layer]))
+        sink.capture_fn(out)
+    lists = capturer.snapshot(5, np.arange(5)).result()
+    np.testing.assert_array_equal(lists.routing_data, ids)
+    sinks[2].buffer[3, 1] = -1
+    for layer, sink in enumerate(sinks):
+        sink.capture_fn(sink.buffer[:5])
+    with pytest.raises(ValueError, match=r"the first is token 3 of the step .*layer 2: -1"):
+        capturer.snapshot(5, np.arange(5)).result()
