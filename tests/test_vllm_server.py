@@ -51,6 +51,28 @@ def _lose_routing_of_one_prompt_length():
 _lose_routing_of_one_prompt_length()
 """
 
+# A step of this many tokens fails the worker's check: the capture of every MoE layer
+# gets an expert id of -1 (the same injection, worker side). A request of this many
+# prompt tokens, alone in the server, is such a step (below the 128-token chunk).
+FAIL_STEP_PROMPT_LEN = 113
+FAIL_STEP = f"""
+def _fail_the_steps_of_one_size():
+    from slotroute.capture import RoutedExpertsCapturer
+
+    capture = RoutedExpertsCapturer.capture
+
+    def failing_capture(self, layer_id, topk_ids, layout=None):
+        if topk_ids.shape[0] == {FAIL_STEP_PROMPT_LEN}:
+            topk_ids = topk_ids.clone()
+            topk_ids[0, 0] = -1
+        return capture(self, layer_id, topk_ids, layout=layout)
+
+    RoutedExpertsCapturer.capture = failing_capture
+
+
+_fail_the_steps_of_one_size()
+"""
+
 # Runs the server's entry module; at import, in the API server and in the spawned
 # engine core alike, installs the async stand-ins and logs which scheduler each
 # engine core built.
@@ -85,7 +107,7 @@ def server(request, tiny_model, tmp_path_factory):
     env["VLLM_LOGGING_LEVEL"] = "INFO"  # slotroute's "patched vLLM" line, per process
     inject = work / "inject"
     inject.mkdir()
-    (inject / "sitecustomize.py").write_text(LOSE_ROUTING)
+    (inject / "sitecustomize.py").write_text(LOSE_ROUTING + FAIL_STEP)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(inject), env.get("PYTHONPATH")]))
     command = serve_command(tiny_model)
     if request.param == "async":
@@ -175,5 +197,19 @@ def test_server_answers_500_to_a_request_whose_routing_is_missing_and_serves_on(
     with pytest.raises(openai.InternalServerError):
         complete(client, prompt_tokens(103, LOSE_ROUTING_PROMPT_LEN), 3)
     prompt = prompt_tokens(104, 60)
+    choice, routed = complete(client, prompt, 3)
+    np.testing.assert_array_equal(routed, reference(prompt, 3).routed)
+
+
+def test_server_answers_500_to_a_request_whose_step_fails_its_check_and_serves_on(server, reference):
+    """On every generation: the step fails the worker's check, its request alone
+    finishes with an error (HTTP 500), and the server serves the next one exactly."""
+    import openai
+
+    client, log_path = server
+    with pytest.raises(openai.InternalServerError):
+        complete(client, prompt_tokens(105, FAIL_STEP_PROMPT_LEN), 3)
+    assert "expert id(s) outside" in log_path.read_text()
+    prompt = prompt_tokens(106, 60)
     choice, routed = complete(client, prompt, 3)
     np.testing.assert_array_equal(routed, reference(prompt, 3).routed)
