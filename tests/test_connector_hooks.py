@@ -92,6 +92,16 @@ def test_micro_batching_is_refused_naming_its_options(verify, enable_dbo, ubatch
         check(config(parallel_config=parallel))
 
 
+def test_micro_batching_is_refused_as_the_engine_starts_on_0_28_to_0_30():
+    """vLLM 0.28-0.30 have no configuration check to patch: the scheduler's routing
+    manager, which slotroute builds at engine start, refuses it with the same words."""
+    from slotroute.vllm.scheduler import _make_manager
+
+    parallel = SimpleNamespace(use_ubatching=True)
+    with pytest.raises(ValueError, match=r"micro-batching with slotroute \(--enable-dbo or --ubatch-size > 1\)"):
+        _make_manager(None)(SimpleNamespace(parallel_config=parallel), kv_cache_config=None)
+
+
 def test_routing_off_is_never_refused(verify):
     check, _ = verify
     check(config("NixlConnector", aux_output_config=SimpleNamespace(enabled=False)))

@@ -30,7 +30,7 @@ import numpy as np
 from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.scheduler import EVICT_BLOCKS, SchedulerRouting, _make_get_new_blocks
+from slotroute.vllm.scheduler import EVICT_BLOCKS, SchedulerRouting, _make_get_new_blocks, micro_batching_refusal
 from slotroute.wire import RoutedExpertsLists
 
 try:
@@ -515,13 +515,9 @@ def _make_verify_config(original, caps_external_hits: bool = False):
             raise ValueError(f"{flag} pipeline parallelism (PP > 1).")
         if self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
             raise ValueError(f"{flag} context parallelism (DCP/PCP > 1).")
-        if getattr(self.parallel_config, "use_ubatching", False):
-            # A micro-batched step has no slot mapping of its own, so its rows could not
-            # be placed (vLLM's own path writes them at each micro-batch's offset).
-            raise ValueError(
-                f"{flag} micro-batching with slotroute (--enable-dbo or --ubatch-size > 1): a micro-batched "
-                "step's rows have no KV slots to be stored at; turn micro-batching off"
-            )
+        refusal = micro_batching_refusal(self.parallel_config)
+        if refusal is not None:
+            raise ValueError(refusal)
         kv_transfer_config = self.kv_transfer_config
         if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
             return

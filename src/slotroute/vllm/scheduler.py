@@ -285,11 +285,29 @@ class SchedulerRouting:
 # -- patches ------------------------------------------------------------------------
 
 
+def micro_batching_refusal(parallel_config) -> str | None:
+    """Why routed experts cannot be served with this parallel config's micro-batching
+    (DBO, ``--ubatch-size`` > 1), or ``None`` without it: a micro-batched step has no
+    slot mapping of its own, so its rows could not be placed (vLLM's own path writes
+    them at each micro-batch's offset)."""
+    if not getattr(parallel_config, "use_ubatching", False):
+        return None
+    return (
+        "--enable-return-routed-experts is incompatible with micro-batching with slotroute (--enable-dbo or "
+        "--ubatch-size > 1): a micro-batched step's rows have no KV slots to be stored at; turn micro-batching off"
+    )
+
+
 def _make_manager(original):
     """Replaces ``RoutedExpertsManager`` as named in ``vllm/v1/core/sched/scheduler.py``
-    (``Scheduler.__init__`` builds it from ``(vllm_config, kv_cache_config)``)."""
+    (``Scheduler.__init__`` builds it from ``(vllm_config, kv_cache_config)``); refuses
+    micro-batching there, as the engine starts (these versions have no configuration
+    check to patch)."""
 
     def RoutedExpertsManager(vllm_config, kv_cache_config) -> SchedulerRouting:  # noqa: N802 - vLLM's name
+        refusal = micro_batching_refusal(vllm_config.parallel_config)
+        if refusal is not None:
+            raise ValueError(refusal)
         return SchedulerRouting.for_vllm(vllm_config, kv_cache_config)
 
     return RoutedExpertsManager
