@@ -187,6 +187,43 @@ def reference(tiny_model) -> Reference:
     del llm
 
 
+# Prints what register() returned (twice: once per call), whether the block pool's and
+# the scheduler's patches are in place, and the log lines slotroute wrote.
+PROBE = """
+import json, logging, sys
+import vllm
+if len(sys.argv) > 1:
+    vllm.__version__ = sys.argv[1]
+lines = []
+class Count(logging.Handler):
+    def emit(self, record):
+        lines.append(record.getMessage())
+logging.getLogger("vllm.slotroute").addHandler(Count())
+import slotroute.vllm as plugin
+outcomes = [plugin.register(), plugin.register()]
+from slotroute.vllm.patches import is_installed
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.sched.scheduler import Scheduler
+print(json.dumps({"outcomes": outcomes, "patched": is_installed(BlockPool.get_new_blocks),
+                  "scheduler_patched": [is_installed(Scheduler.__init__), is_installed(Scheduler.update_from_output)],
+                  "lines": lines}))
+"""
+
+
+def probe(*version: str, **env: str) -> dict:
+    """Run :data:`PROBE` in a fresh process (``version`` stands in for vLLM's version,
+    ``env`` is added to the environment) and return what it printed."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, *version], env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def prompt_tokens(seed: int, length: int, vocab: int = 1024) -> list[int]:
     """Random token ids (never the eos id 2), reproducible from ``seed``."""
     rng = np.random.default_rng(seed)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import probe
 
 vllm = pytest.importorskip("vllm")
 
@@ -82,15 +83,6 @@ def test_the_v1_async_output_wrapper_can_be_built_and_passes_the_kv_connector_ou
 
 
 def test_register_installs_the_0_33_adapters():
-    import subprocess
-    import sys
-
-    code = (
-        "import slotroute.vllm as p; print(p.register());"
-        "from vllm.v1.core.sched.scheduler import Scheduler;"
-        "from slotroute.vllm.patches import is_installed;"
-        "print(is_installed(Scheduler.update_from_output), is_installed(Scheduler.__init__))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split() == ["slotroute", "True", "True"], result.stderr[-3000:]
+    found = probe()
+    assert found["outcomes"] == ["slotroute", "slotroute"]
+    assert found["patched"] and found["scheduler_patched"] == [True, True]

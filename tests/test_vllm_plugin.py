@@ -11,7 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import connector_generation, prompt_tokens
+from conftest import connector_generation, probe, prompt_tokens
 
 from slotroute.vllm import unsupported_reason
 
@@ -19,33 +19,6 @@ pytestmark = pytest.mark.vllm
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
 CONNECTOR_GENERATION = connector_generation()
 
-# Prints what register() returned, whether a scheduler-side patch is in place, and
-# how many log lines the refusal produced. Importing the block pool is cheap.
-PROBE = """
-import json, logging, sys
-import vllm
-if len(sys.argv) > 1:
-    vllm.__version__ = sys.argv[1]
-lines = []
-class Count(logging.Handler):
-    def emit(self, record):
-        lines.append(record.getMessage())
-logging.getLogger("vllm.slotroute").addHandler(Count())
-import slotroute.vllm as plugin
-outcomes = [plugin.register(), plugin.register()]
-from slotroute.vllm.patches import is_installed
-from vllm.v1.core.block_pool import BlockPool
-print(json.dumps({"outcomes": outcomes, "patched": is_installed(BlockPool.get_new_blocks), "lines": lines}))
-"""
-
-
-def probe(*version: str, **env: str) -> dict:
-    environ = {**os.environ, **env}
-    result = subprocess.run(
-        [sys.executable, "-c", PROBE, *version], env=environ, capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("version", ["0.28.0", "0.29.0", "0.29.3", "0.30.0", "0.30.1+cpu", "0.31.0", "0.32.0+cpu", "0.33.0"])

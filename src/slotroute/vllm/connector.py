@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import accumulate, compress, repeat
+from itertools import compress, repeat
 
 import numpy as np
 
@@ -362,7 +362,7 @@ class ConnectorRouting(SchedulerRouting):
         # requests is one each, and their rows lie in req_ids' order.
         decodes_only = scheduler_output.total_num_scheduled_tokens == n == slots.shape[0]
         if decodes_only:
-            sizes = starts = None
+            sizes, starts = np.ones(n, np.int64), np.arange(n + 1, dtype=np.int64)
         else:
             try:
                 sizes = np.fromiter(map(counts.__getitem__, req_ids), np.int64, n)
@@ -387,13 +387,10 @@ class ConnectorRouting(SchedulerRouting):
         # payload that of the request's KV block: its row is ready now.
         cursors = np.fromiter(map(self._cursors.get, req_ids, repeat(-1)), np.int64, n)
         first_slots = slots if decodes_only else slots[starts[:-1]]
-        ok = (cursors == positions) & (token_slots(req_ids, positions, self._req_blocks, self._block_size) == first_slots)
-        if not decodes_only:
-            ok &= sizes == 1
+        ok = (cursors == positions) & (sizes == 1)
+        ok &= token_slots(req_ids, positions, self._req_blocks, self._block_size) == first_slots
         if decodes_only and ok.all():
             return _StepRows(data, slots, dict(zip(req_ids, map(np.ndarray.copy, data[:, None]))), {}, {})
-        if decodes_only:
-            sizes, starts = np.ones(n, np.int64), np.arange(n + 1, dtype=np.int64)
         picked = ok.tolist()
         ready = dict(zip(compress(req_ids, picked), map(np.ndarray.copy, data[starts[:-1][ok], None])))
         rest = [not p for p in picked]
@@ -493,12 +490,13 @@ def _make_update_from_output(original):
 PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector", "MooncakeConnector")
 
 
-def _make_verify_config(original, caps_external_hits: bool = False):
+def _make_verify_config(original, caps_external_hits: bool):
     """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
     vLLM's checks in vLLM's words, less the two its own connector needs and slotroute
     does not (the V2 model runner, prefix caching), and micro-batching (DBO) refused,
-    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them. Any other KV transfer connector (offloading, LMCache) is served
-    where the scheduler lets slotroute cap its hits (``caps_external_hits``, vLLM 0.33:
+    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them. Any
+    other KV transfer connector (offloading, LMCache) is served where the scheduler
+    lets slotroute cap its hits (``caps_external_hits``, vLLM 0.33:
     :meth:`ConnectorRouting.cap_external_hit`), and refused where it does not."""
 
     def _verify_aux_output_compatibility(self) -> None:
