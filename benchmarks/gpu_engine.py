@@ -20,10 +20,15 @@ Each configuration runs in its own process (vLLM caches its environment per
 process). A first child of each configuration, discarded, fills its compile caches;
 then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
-max over rounds of generated tok/s and requests/min, host time per engine step spent
-in the routing calls of the worker and the scheduler, and bytes shipped per step; and
-for each comparison the ratio of medians with the range of the same-round ratios,
-flagged where that range is wider than the difference claimed. Every child's figures
+max over rounds of generated tok/s and requests/min, host time per engine step in the
+worker's routing calls and in vLLM's whole scheduler (``schedule`` and
+``update_from_output``, timed alike in every configuration, routing off included), and
+bytes shipped per step; the host time each routing path adds (its worker calls plus
+the scheduler's time beyond routing off's in the same round); and for each comparison
+the ratio of medians with the range of the same-round ratios, flagged where that range
+is wider than the difference claimed. Counted children wrap nothing that runs once per
+request, so their tok/s pays no timing; the warm-up children time every routing call,
+for a per-call breakdown. Every child's figures
 go to ``--json``; with ``--budget-s`` the run stops before a child that would not
 finish in time, and the same command line continues it from the JSON.
 
@@ -47,6 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 CONFIGS = ("off", "vllm", "slotroute")
 QWEN3_30B_A3B = dict(
@@ -100,11 +106,29 @@ class Timer:
         self.calls.clear()
 
 
-def instrument(config: str, timer: Timer, shipped: list[int]) -> None:
+def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = False) -> None:
     """Wrap the routing calls of ``config``'s path (classes, before the engine starts;
-    nothing slotroute verifies, so its patches still go in)."""
+    nothing slotroute verifies, so its patches still go in).
+
+    A counted child (``detail`` false) wraps only what runs once per step: the worker's
+    calls and the call whose arguments count the bytes shipped. A wrapper costs about
+    a microsecond a call in the engine, and the scheduler's routing calls run once per
+    request (``take_output``, ``get``): timing them would slow the configurations whose
+    tok/s is compared with routing off. Their time is in the scheduler's own, which
+    every child times alike (``child``). The warm-up children (``detail``) wrap every
+    routing call, for the per-call breakdown only."""
     if config == "off":
         return
+    if not detail:
+        real_wrap = timer.wrap
+
+        def wrap(owner, name, label, on_call=None):
+            if label == "worker":
+                real_wrap(owner, name, label, on_call)
+            elif on_call is not None:
+                real_wrap(owner, name, "bytes", on_call)
+
+        timer = SimpleNamespace(wrap=wrap)
 
     def count_bytes(args, result):
         data, slots = args[-2], args[-1]
@@ -191,7 +215,7 @@ def child(args) -> None:
     import numpy as np
     from vllm import LLM, SamplingParams
 
-    instrument(args.child, timer, shipped)
+    instrument(args.child, timer, shipped, args.detail)
     started = time.perf_counter()
     llm = LLM(
         model=args.model, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -202,7 +226,11 @@ def child(args) -> None:
         enforce_eager=args.eager,
     )
     start_s = time.perf_counter() - started
-    timer.wrap(llm.llm_engine.engine_core.engine_core.scheduler, "update_from_output", "steps")
+    # vLLM's whole scheduler, timed alike in every configuration: what routing adds to
+    # it is the difference from routing off.
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    timer.wrap(scheduler, "update_from_output", "steps")
+    timer.wrap(scheduler, "schedule", "schedule")
     config = llm.llm_engine.vllm_config
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
@@ -252,7 +280,8 @@ def child(args) -> None:
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
             bytes_per_step=sum(shipped) / steps,
             worker_us_per_step=1e6 * timer.seconds.get("worker", 0.0) / steps,
-            scheduler_us_per_step=1e6 * timer.seconds.get("scheduler", 0.0) / steps,
+            scheduler_us_per_step=1e6 * (timer.seconds.get("steps", 0.0) + timer.seconds.get("schedule", 0.0)) / steps,
+            routing_scheduler_us_per_step=1e6 * timer.seconds.get("scheduler", 0.0) / steps,
             worker_calls_per_step=timer.calls.get("worker", 0) / steps,
             scheduler_calls_per_step=timer.calls.get("scheduler", 0) / steps,
             breakdown_us_per_step={k: 1e6 * v / steps for k, v in timer.seconds.items() if ":" in k},
@@ -286,6 +315,9 @@ def _spread(values: list[float]) -> dict:
 
 
 METRICS = ("tok_s", "req_min", "worker_us_per_step", "scheduler_us_per_step", "bytes_per_step")
+# What a routing path adds to the host per step: its worker calls, and the scheduler's
+# time beyond routing off's in the same round.
+ADDED = ("vllm", "slotroute")
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None))
 
@@ -323,13 +355,40 @@ def summarize(children: list[dict]) -> dict:
                 meets_claim=None if claim is None else medians >= claim,
                 spread_wider_than_difference=spread > abs(medians - target),
             )
+        summary.setdefault("host", {})[workload] = _host_cost(rounds, workload)
+    summary["breakdown"] = {
+        f"{c['config']} {workload}": r.get("breakdown_us_per_step", {})
+        for c in children if c.get("round") == 0 and "results" in c and c["config"] != "off"
+        for workload, r in c["results"].items()
+    }
     return summary
+
+
+def _host_cost(rounds: list[dict], workload: str) -> dict:
+    """Per routing path, host us/step it adds (its worker calls plus the scheduler's time
+    beyond routing off's in the same round): median, min, max over rounds; and the
+    same-round ratios of slotroute's to vLLM's own, with their median."""
+    added: dict[str, dict[int, float]] = {}
+    off = {c["round"]: c["results"][workload]["scheduler_us_per_step"]
+           for c in rounds if c["config"] == "off" and workload in c["results"]}
+    for c in rounds:
+        if c["config"] in ADDED and workload in c["results"] and c["round"] in off:
+            r = c["results"][workload]
+            added.setdefault(c["config"], {})[c["round"]] = (
+                r["worker_us_per_step"] + r["scheduler_us_per_step"] - off[c["round"]]
+            )
+    cost = {config: _spread(list(by_round.values())) for config, by_round in added.items()}
+    if len(added) == len(ADDED):
+        ratios = [added["slotroute"][r] / added["vllm"][r] for r in added["slotroute"] if r in added["vllm"]]
+        if ratios:
+            cost["slotroute / vllm"] = dict(_spread(ratios), rounds=ratios)
+    return cost
 
 
 def report(summary: dict, header: str) -> str:
     lines = [header, "",
-             "| workload | config | tok/s median (min-max) | req/min median | worker us/step | scheduler us/step "
-             "| bytes/step |", "|---|---|---|---|---|---|---|"]
+             "| workload | config | tok/s median (min-max) | req/min median | worker us/step (routing calls) "
+             "| scheduler us/step (all of vLLM's) | bytes/step |", "|---|---|---|---|---|---|---|"]
     for workload, by_config in summary["configs"].items():
         for config, m in by_config.items():
             t = m["tok_s"]
@@ -338,13 +397,22 @@ def report(summary: dict, header: str) -> str:
                 f"{m['req_min']['median']:.1f} | {m['worker_us_per_step']['median']:.1f} | "
                 f"{m['scheduler_us_per_step']['median']:.1f} | {m['bytes_per_step']['median']:.0f} |"
             )
-    lines += ["", "| workload | host us/step, worker + scheduler: slotroute | vLLM's own | ratio |", "|---|---|---|---|"]
-    for workload, by_config in summary["configs"].items():
-        if "slotroute" in by_config and "vllm" in by_config:
-            host = {c: by_config[c]["worker_us_per_step"]["median"] + by_config[c]["scheduler_us_per_step"]["median"]
-                    for c in ("slotroute", "vllm")}
-            lines.append(f"| {workload} | {host['slotroute']:.1f} | {host['vllm']:.1f} | "
-                         f"{host['slotroute'] / host['vllm']:.3f} |")
+    lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
+              "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
+
+    def cell(m):
+        return "-" if m is None else f"{m['median']:.1f} ({m['min']:.1f} to {m['max']:.1f})"
+
+    for workload, cost in summary.get("host", {}).items():
+        ratio = cost.get("slotroute / vllm")
+        ratio_cell = "-" if ratio is None else f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
+        lines.append(f"| {workload} | {cell(cost.get('slotroute'))} | {cell(cost.get('vllm'))} | {ratio_cell} |")
+    if summary.get("breakdown"):
+        lines += ["", "Per-call breakdown (us/step), from the warm-up children, which time every routing call:"]
+        for name, breakdown in summary["breakdown"].items():
+            parts = ", ".join(f"{k.split(':', 1)[1]} {v:.0f}" for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
+                              if k.split(":", 1)[0] in ("scheduler", "worker", "detail"))
+            lines.append(f"- {name}: {parts}")
     lines += ["", "| comparison | ratio of medians | same-round ratios | claim | verdict |", "|---|---|---|---|---|"]
     for name, c in summary["comparisons"].items():
         rounds = ", ".join(f"{r:.4f}" for r in c["round_ratios"])
@@ -372,6 +440,7 @@ def main() -> None:
     parser.add_argument("--rewarm", action="store_true",
                         help="continuing on another machine: warm up each configuration still to run first")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -413,6 +482,8 @@ def main() -> None:
             command += ["--kv-cache-gb", str(args.kv_cache_gb)]
         if args.eager:
             command.append("--eager")
+        if entry["round"] == 0:
+            command.append("--detail")
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
         longest = max(longest, time.perf_counter() - child_began)

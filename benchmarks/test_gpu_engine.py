@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 
@@ -52,3 +53,36 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     assert comparison["meets_claim"] is True
     assert comparison["spread_wider_than_difference"] is False
     assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
+
+
+def test_host_cost_is_what_each_path_adds_to_routing_offs_scheduler_in_the_same_round():
+    def run(round_, config, worker, scheduler):
+        metrics = dict(tok_s=100.0, req_min=10.0, worker_us_per_step=worker, scheduler_us_per_step=scheduler,
+                       bytes_per_step=100.0)
+        return dict(round=round_, config=config, results={"rollout": metrics})
+
+    children = [
+        run(0, "slotroute", 1e6, 1e6),  # the warm-up times every call: left out
+        run(1, "off", 0.0, 1000.0), run(1, "vllm", 400.0, 1100.0), run(1, "slotroute", 100.0, 1300.0),
+        run(2, "off", 0.0, 2000.0), run(2, "vllm", 500.0, 2100.0), run(2, "slotroute", 100.0, 2150.0),
+    ]
+    cost = gpu_engine.summarize(children)["host"]["rollout"]
+    # round 1: vLLM's own adds 400 + 100, slotroute 100 + 300; round 2: 500 + 100, 100 + 150
+    assert cost["vllm"]["median"] == pytest.approx(550.0)
+    assert cost["slotroute"]["median"] == pytest.approx(325.0)
+    assert cost["slotroute / vllm"]["rounds"] == pytest.approx([400 / 500, 250 / 600])
+    assert "0.608" in gpu_engine.report(gpu_engine.summarize(children), "h")
+
+
+def test_counted_children_time_no_scheduler_routing_call_the_warm_up_times_them_all():
+    pytest.importorskip("vllm")
+    wrapped = []
+    timer = SimpleNamespace(wrap=lambda owner, name, label, on_call=None: wrapped.append((name, label)))
+    gpu_engine.instrument("slotroute", timer, [], detail=False)
+    light = list(wrapped)
+    wrapped.clear()
+    gpu_engine.instrument("slotroute", timer, [], detail=True)
+    # take_output (0.31+) and get (0.28-0.30) run once per request: only the warm-up times them
+    assert {"take_output", "get"} & {name for name, label in wrapped if label == "scheduler"}
+    assert {label for _, label in light} == {"worker", "bytes"}
+    assert ("store_batch", "bytes") in light and ("snapshot_step", "worker") in light
