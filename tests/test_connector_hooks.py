@@ -102,6 +102,35 @@ def test_micro_batching_is_refused_as_the_engine_starts_on_0_28_to_0_30():
         _make_manager(None)(SimpleNamespace(parallel_config=parallel), kv_cache_config=None)
 
 
+def _scheduler(partial_hits: bool, routing=None) -> SimpleNamespace:
+    """A vLLM ``Scheduler`` as its ``__init__`` leaves it, for the parts the wrappers read."""
+    coordinator = SimpleNamespace(enable_partial_hash_hits=partial_hits)
+    return SimpleNamespace(
+        kv_cache_manager=SimpleNamespace(coordinator=coordinator, block_pool=SimpleNamespace(evict_blocks=lambda blocks: None)),
+        aux_output_connector=object(), enable_return_routed_experts=True, routed_experts_mgr=routing,
+    )
+
+
+def test_prefix_cache_hits_inside_a_block_are_refused_as_the_engine_starts_on_every_generation():
+    """Partial hash hits copy a hit's KV into a new block (copy-on-write) that routing does
+    not follow: refused, naming the options, by the scheduler of 0.28-0.30 and 0.31+."""
+    from slotroute.store import RoutedExpertsManager
+    from slotroute.vllm import connector, scheduler
+
+    def built(self, *args, **kwargs):
+        pass
+
+    routing = scheduler.SchedulerRouting(RoutedExpertsManager(RoutingSpec(2, 2, 4), 4, 4), 0)
+    words = r"prefix-cache hits inside a KV block with slotroute .*--no-enable-prefix-caching.*--mamba-cache-mode"
+    for init in (scheduler._make_scheduler_init(built), connector._make_scheduler_init(built)):
+        with pytest.raises(ValueError, match=words):
+            init(_scheduler(True, routing))
+    # Without them the 0.28-0.30 wrapper connects its routing to the block pool.
+    served = _scheduler(False, routing)
+    scheduler._make_scheduler_init(built)(served)
+    assert routing._evict_cached is served.kv_cache_manager.block_pool.evict_blocks
+
+
 def test_routing_off_is_never_refused(verify):
     check, _ = verify
     check(config("NixlConnector", aux_output_config=SimpleNamespace(enabled=False)))

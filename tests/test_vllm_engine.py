@@ -236,6 +236,14 @@ def test_parallel_samples_over_a_cached_prompt_each_return_their_own_routing(llm
         np.testing.assert_array_equal(child.routed_experts, ref.routed_experts)
 
 
+def test_the_refusal_of_hits_inside_a_block_reads_vllms_own_coordinator_flag(llm):
+    """slotroute refuses partial hash hits as the engine starts (test_connector_hooks.py):
+    the flag it reads is the installed vLLM's, and off for a model without Mamba layers,
+    so this engine started."""
+    coordinator = scheduler_of(llm).kv_cache_manager.coordinator
+    assert coordinator.enable_partial_hash_hits is False
+
+
 def test_abort_leaves_no_state_and_other_requests_are_unaffected(llm, reference):
     llm_engine, scheduler = llm.llm_engine, scheduler_of(llm)
     prompts = {name: prompt_tokens(40 + i, 150 + 30 * i) for i, name in enumerate("abc")}

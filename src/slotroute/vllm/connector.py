@@ -30,7 +30,13 @@ import numpy as np
 from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.scheduler import EVICT_BLOCKS, SchedulerRouting, _make_get_new_blocks, micro_batching_refusal
+from slotroute.vllm.scheduler import (
+    EVICT_BLOCKS,
+    SchedulerRouting,
+    _make_get_new_blocks,
+    micro_batching_refusal,
+    refuse_partial_hits,
+)
 from slotroute.wire import RoutedExpertsLists
 
 try:
@@ -453,11 +459,13 @@ class ConnectorRouting(SchedulerRouting):
 def _make_scheduler_init(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: puts
     :class:`ConnectorRouting` where vLLM built its ``AuxOutputSchedulerConnector``
-    and connects it to the block pool."""
+    and connects it to the block pool; refuses prefix-cache hits inside a block
+    (:func:`~slotroute.vllm.scheduler.partial_hit_refusal`)."""
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         if self.aux_output_connector is not None:
+            refuse_partial_hits(self)
             routing = ConnectorRouting.for_scheduler(self)
             self.aux_output_connector = routing
             routing.connect(self.kv_cache_manager.block_pool)

@@ -298,6 +298,37 @@ def micro_batching_refusal(parallel_config) -> str | None:
     )
 
 
+def partial_hit_refusal(coordinator) -> str | None:
+    """Why routed experts cannot be served over this KV cache coordinator's prefix-cache
+    hits inside a block (``enable_partial_hash_hits``: a hybrid model's aligned Mamba
+    state with a block larger than the hash block), or ``None`` without them: such a
+    hit copies the KV of the tokens it covers into a new block (copy-on-write), and
+    routing, stored by KV slot, does not follow that copy, so every request served
+    from such a hit would fail."""
+    if not getattr(coordinator, "enable_partial_hash_hits", False):
+        return None
+    return (
+        "--enable-return-routed-experts is incompatible with prefix-cache hits inside a KV block with slotroute "
+        "(partial hash hits: a hybrid model's aligned Mamba state, --mamba-cache-mode align, with a KV block "
+        "larger than the hash block): their KV is copied into a new block without its routing; turn prefix "
+        "caching off (--no-enable-prefix-caching) or use another --mamba-cache-mode"
+    )
+
+
+def refuse_partial_hits(scheduler) -> None:
+    """Raise :func:`partial_hit_refusal`'s reason for ``scheduler`` (vLLM's
+    ``Scheduler``, just built), as the engine starts.
+
+    Raises
+    ------
+    ValueError
+        The scheduler's KV cache serves prefix-cache hits inside a block.
+    """
+    refusal = partial_hit_refusal(scheduler.kv_cache_manager.coordinator)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 def _make_manager(original):
     """Replaces ``RoutedExpertsManager`` as named in ``vllm/v1/core/sched/scheduler.py``
     (``Scheduler.__init__`` builds it from ``(vllm_config, kv_cache_config)``); refuses
@@ -328,13 +359,15 @@ def _make_get_new_blocks(original):
 
 
 def _make_scheduler_init(original):
-    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: connects the
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: refuses
+    prefix-cache hits inside a block (:func:`partial_hit_refusal`) and connects the
     routing manager to the scheduler's block pool."""
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         routing = getattr(self, "routed_experts_mgr", None)
         if self.enable_return_routed_experts and isinstance(routing, SchedulerRouting):
+            refuse_partial_hits(self)
             routing.connect(self.kv_cache_manager.block_pool)
 
     return __init__
