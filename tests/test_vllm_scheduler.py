@@ -28,13 +28,14 @@ def pool_and_routing():
     from vllm.v1.core.block_pool import BlockPool
 
     from slotroute.vllm.patches import apply
-    from slotroute.vllm.scheduler import _WATCHER_ATTR, SchedulerRouting, scheduler_patches
+    from slotroute.vllm.blocks import watch
+    from slotroute.vllm.scheduler import SchedulerRouting, scheduler_patches
 
     # The block pool's hook, as register() installs it on every generation; idempotent.
     apply([patch for patch in scheduler_patches() if patch.qualname == "BlockPool.get_new_blocks"])
     pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BLOCK)
     routing = SchedulerRouting(RoutedExpertsManager(SPEC, num_blocks=6, block_size=BLOCK), attn_gid=0)
-    setattr(pool, _WATCHER_ATTR, routing.on_new_blocks)
+    watch(pool, routing.on_new_blocks)
     return pool, routing
 
 

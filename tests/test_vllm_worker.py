@@ -178,7 +178,7 @@ def test_step_output_ships_the_steps_narrow_rows_and_slots():
 
 
 def test_step_output_of_an_out_of_range_id_names_its_token_layer_and_slot():
-    from slotroute.vllm.connector import StepFailure
+    from slotroute.wire import StepFailure
     from slotroute.vllm.worker import step_output
 
     failure = step_output(pending_step([[1, 2], [3, 7], [0, 1]], [5, 6, 9]))  # layer 1 of token 1 gets 8
@@ -190,7 +190,7 @@ def test_step_output_of_an_out_of_range_id_names_its_token_layer_and_slot():
 
 def test_step_output_of_an_incomplete_step_names_the_layer_and_tokens():
     from slotroute.capture import PendingSnapshot
-    from slotroute.vllm.connector import StepFailure
+    from slotroute.wire import StepFailure
     from slotroute.vllm.worker import incomplete_capture, step_output
 
     error = incomplete_capture(frozenset({0, 2, 3}), {0: 5, 2: 3, 3: 5}, 5)

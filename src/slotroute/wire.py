@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
@@ -16,7 +17,7 @@ import numpy as np
 
 from slotroute.spec import ID_DTYPES
 
-__all__ = ["ROUTING_DTYPES", "SLOT_DTYPES", "RoutedExpertsLists"]
+__all__ = ["ROUTING_DTYPES", "SLOT_DTYPES", "RoutedExpertsLists", "StepFailure", "StepMeta"]
 
 # Little-endian dtype strings; numpy's ``dtype.str`` spells native dtypes this way
 # on every platform slotroute runs on (checked below at import).
@@ -188,3 +189,20 @@ def _name_field(message: str) -> str:
     if found is None or int(found.group(1)) >= len(_Payload.__struct_fields__):
         return message
     return f"{message} (field {_Payload.__struct_fields__[int(found.group(1))]})"
+
+
+@dataclass(frozen=True, slots=True)
+class StepMeta:
+    """What the scheduler tells the workers about one step, in the place of vLLM's
+    ``AuxOutputConnectorMetadata``: the number of tokens it forwards."""
+
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepFailure:
+    """A step whose routing failed the worker's checks, shipped in the place of its rows:
+    the worker's error and the KV slots the step wrote."""
+
+    error: str
+    slot_mapping: np.ndarray

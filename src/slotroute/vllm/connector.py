@@ -22,7 +22,6 @@ caching nor the V2 runner, and no cache hit is ever refused for want of routing.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from itertools import compress, repeat
 
 import numpy as np
@@ -30,42 +29,20 @@ import numpy as np
 from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.scheduler import (
-    EVICT_BLOCKS,
-    SchedulerRouting,
-    _make_get_new_blocks,
-    micro_batching_refusal,
-    refuse_partial_hits,
-)
-from slotroute.wire import RoutedExpertsLists
+from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
+from slotroute.vllm.scheduler import SchedulerRouting, micro_batching_refusal, refuse_partial_hits
+from slotroute.wire import RoutedExpertsLists, StepFailure, StepMeta
 
 try:
     from slotroute import _native
 except ImportError:  # no C compiler at install: token_slots' Python loop
     _native = None
 
-__all__ = ["PD_CONNECTORS", "ConnectorRouting", "StepFailure", "StepMeta", "connector_patches", "connector_patches_0_33", "token_slots"]
+__all__ = ["PD_CONNECTORS", "ConnectorRouting", "connector_patches", "connector_patches_0_33", "token_slots"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
-
-
-@dataclass(frozen=True, slots=True)
-class StepMeta:
-    """What the scheduler tells the workers about one step, in the place of vLLM's
-    ``AuxOutputConnectorMetadata``: the number of tokens it forwards."""
-
-    num_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class StepFailure:
-    """A step whose routing failed the worker's checks, shipped in the place of its rows:
-    the worker's error and the KV slots the step wrote."""
-
-    error: str
-    slot_mapping: np.ndarray
 
 
 def first_row(request) -> int:
@@ -574,9 +551,7 @@ def _connector_patches(built_as: str, schedule_calls: tuple[str, ...], caps_exte
                "pipeline_parallel_size > 1", "prefill_context_parallel_size > 1", "MooncakeConnector",
                "kv_transfer_config.has_connector(connector_name)"),
               lambda original: _make_verify_config(original, caps_external_hits)),
-        Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
-              ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
-        EVICT_BLOCKS,
+        *BLOCK_POOL_PATCHES,
         Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
               ("manager.req_to_blocks.get(request_id)", "for manager in self.single_type_managers"), None),
         Patch(SCHEDULER, "Scheduler.__init__", None, (built_as, "self.kv_cache_manager = KVCacheManager("),

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from slotroute.capture import PendingSnapshot
-from slotroute.vllm.connector import StepMeta
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.worker import WorkerRouting, step_output
+from slotroute.wire import StepMeta
 
 __all__ = ["PendingStep", "StepConnector", "v2_runner_connector_patches"]
 

@@ -24,6 +24,7 @@ import numpy as np
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
 from slotroute.vllm import LOGGER_NAME
+from slotroute.vllm.blocks import BLOCK_POOL_PATCHES, watch
 from slotroute.vllm.patches import Patch
 
 __all__ = ["SchedulerRouting", "is_failed_step", "scheduler_patches"]
@@ -31,9 +32,8 @@ __all__ = ["SchedulerRouting", "is_failed_step", "scheduler_patches"]
 logger = logging.getLogger(LOGGER_NAME)
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
-# Attribute names slotroute sets on vLLM objects it does not own.
+# The attribute slotroute sets on a SchedulerOutput (vLLM's object, not ours).
 _STEP_ATTR = "_slotroute_step"
-_WATCHER_ATTR = "_slotroute_on_new_blocks"
 
 
 def is_failed_step(data: np.ndarray, slot_mapping: np.ndarray) -> bool:
@@ -160,8 +160,7 @@ class SchedulerRouting:
         """Watch vLLM's block pool: blocks it hands out for new data are invalidated
         in step order (NOTE 1), and blocks a failed step wrote leave its prefix cache
         (:meth:`fail_step`)."""
-        setattr(block_pool, _WATCHER_ATTR, self.on_new_blocks)
-        self._evict_cached = block_pool.evict_blocks
+        self._evict_cached = watch(block_pool, self.on_new_blocks)
 
     def fail_step(self, scheduler_output, slot_mapping, error: str = "") -> None:
         """A step whose routing failed the worker's check: drop the blocks it wrote (a
@@ -344,20 +343,6 @@ def _make_manager(original):
     return RoutedExpertsManager
 
 
-def _make_get_new_blocks(original):
-    """Wraps ``vllm/v1/core/block_pool.py`` ``BlockPool.get_new_blocks``: the one
-    place a free block is handed out for new data (dropping its cached hash)."""
-
-    def get_new_blocks(self, num_blocks):
-        blocks = original(self, num_blocks)
-        watcher = self.__dict__.get(_WATCHER_ATTR)
-        if watcher is not None:
-            watcher(blocks)
-        return blocks
-
-    return get_new_blocks
-
-
 def _make_scheduler_init(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: refuses
     prefix-cache hits inside a block (:func:`partial_hit_refusal`) and connects the
@@ -408,20 +393,12 @@ def _make_update_from_output(original):
     return update_from_output
 
 
-# Verified only: what SchedulerRouting.fail_step calls to take a failed step's blocks
-# out of the prefix cache (vLLM's own use: blocks whose KV load failed).
-EVICT_BLOCKS = Patch("vllm.v1.core.block_pool", "BlockPool.evict_blocks", ("self", "block_ids"),
-                     ("self._maybe_evict_cached_block(block)",), None)
-
-
 def scheduler_patches() -> list[Patch]:
     """The scheduler-side patches, each verified against the installed vLLM."""
     return [
         Patch(SCHEDULER, "RoutedExpertsManager", ("vllm_config", "kv_cache_config"),
               ("def store_batch", "def get("), _make_manager),
-        Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", ("self", "num_blocks"),
-              ("free_block_queue.popleft_n", "_maybe_evict_cached_block"), _make_get_new_blocks),
-        EVICT_BLOCKS,
+        *BLOCK_POOL_PATCHES,
         Patch(SCHEDULER, "Scheduler.__init__", None,
               ("self.routed_experts_mgr = RoutedExpertsManager(", "self.kv_cache_manager ="),
               _make_scheduler_init),

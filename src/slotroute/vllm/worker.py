@@ -26,9 +26,8 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
-from slotroute.vllm.connector import StepFailure
 from slotroute.vllm.scheduler import attention_gid, routing_spec
-from slotroute.wire import RoutedExpertsLists
+from slotroute.wire import RoutedExpertsLists, StepFailure
 
 __all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"]
 
@@ -257,7 +256,7 @@ def step_output(pending: PendingSnapshot):
     """What a worker ships for one step on vLLM 0.31+ (``ModelRunnerOutput.
     aux_output_connector_output``): the step's narrow rows and slots as slotroute's
     :class:`~slotroute.wire.RoutedExpertsLists`, ``None`` on TP ranks other than 0, or,
-    if the step failed its check, a :class:`~slotroute.vllm.connector.StepFailure`
+    if the step failed its check, a :class:`~slotroute.wire.StepFailure`
     naming what the check found, so that the requests of the step fail alone. The
     worker logs the failure."""
     try:
