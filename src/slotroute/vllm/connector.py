@@ -30,7 +30,7 @@ from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
-from slotroute.vllm.scheduler import SchedulerRouting, micro_batching_refusal, refuse_partial_hits
+from slotroute.vllm.scheduler import SchedulerRouting, refuse_micro_batching, refuse_partial_hits
 from slotroute.wire import RoutedExpertsLists, StepFailure, StepMeta
 
 try:
@@ -437,7 +437,7 @@ def _make_scheduler_init(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: puts
     :class:`ConnectorRouting` where vLLM built its ``AuxOutputSchedulerConnector``
     and connects it to the block pool; refuses prefix-cache hits inside a block
-    (:func:`~slotroute.vllm.scheduler.partial_hit_refusal`)."""
+    (:func:`~slotroute.vllm.scheduler.refuse_partial_hits`)."""
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -498,9 +498,7 @@ def _make_verify_config(original, caps_external_hits: bool):
             raise ValueError(f"{flag} pipeline parallelism (PP > 1).")
         if self.parallel_config.decode_context_parallel_size > 1 or self.parallel_config.prefill_context_parallel_size > 1:
             raise ValueError(f"{flag} context parallelism (DCP/PCP > 1).")
-        refusal = micro_batching_refusal(self.parallel_config)
-        if refusal is not None:
-            raise ValueError(refusal)
+        refuse_micro_batching(self.parallel_config)
         kv_transfer_config = self.kv_transfer_config
         if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
             return

@@ -284,48 +284,44 @@ class SchedulerRouting:
 # -- patches ------------------------------------------------------------------------
 
 
-def micro_batching_refusal(parallel_config) -> str | None:
-    """Why routed experts cannot be served with this parallel config's micro-batching
-    (DBO, ``--ubatch-size`` > 1), or ``None`` without it: a micro-batched step has no
-    slot mapping of its own, so its rows could not be placed (vLLM's own path writes
-    them at each micro-batch's offset)."""
-    if not getattr(parallel_config, "use_ubatching", False):
-        return None
-    return (
-        "--enable-return-routed-experts is incompatible with micro-batching with slotroute (--enable-dbo or "
-        "--ubatch-size > 1): a micro-batched step's rows have no KV slots to be stored at; turn micro-batching off"
-    )
-
-
-def partial_hit_refusal(coordinator) -> str | None:
-    """Why routed experts cannot be served over this KV cache coordinator's prefix-cache
-    hits inside a block (``enable_partial_hash_hits``: a hybrid model's aligned Mamba
-    state with a block larger than the hash block), or ``None`` without them: such a
-    hit copies the KV of the tokens it covers into a new block (copy-on-write), and
-    routing, stored by KV slot, does not follow that copy, so every request served
-    from such a hit would fail."""
-    if not getattr(coordinator, "enable_partial_hash_hits", False):
-        return None
-    return (
-        "--enable-return-routed-experts is incompatible with prefix-cache hits inside a KV block with slotroute "
-        "(partial hash hits: a hybrid model's aligned Mamba state, --mamba-cache-mode align, with a KV block "
-        "larger than the hash block): their KV is copied into a new block without its routing; turn prefix "
-        "caching off (--no-enable-prefix-caching) or use another --mamba-cache-mode"
-    )
-
-
-def refuse_partial_hits(scheduler) -> None:
-    """Raise :func:`partial_hit_refusal`'s reason for ``scheduler`` (vLLM's
-    ``Scheduler``, just built), as the engine starts.
+def refuse_micro_batching(parallel_config) -> None:
+    """Refuse routed experts with this parallel config's micro-batching (DBO,
+    ``--ubatch-size`` > 1): a micro-batched step has no slot mapping of its own, so its
+    rows could not be placed (vLLM's own path writes them at each micro-batch's offset).
 
     Raises
     ------
     ValueError
-        The scheduler's KV cache serves prefix-cache hits inside a block.
+        Micro-batching is on, naming its options.
     """
-    refusal = partial_hit_refusal(scheduler.kv_cache_manager.coordinator)
-    if refusal is not None:
-        raise ValueError(refusal)
+    if getattr(parallel_config, "use_ubatching", False):
+        raise ValueError(
+            "--enable-return-routed-experts is incompatible with micro-batching with slotroute (--enable-dbo or "
+            "--ubatch-size > 1): a micro-batched step's rows have no KV slots to be stored at; turn micro-batching off"
+        )
+
+
+def refuse_partial_hits(scheduler) -> None:
+    """Refuse routed experts over prefix-cache hits inside a block, as the engine starts
+    (``scheduler``: vLLM's ``Scheduler``, just built). Its coordinator's
+    ``enable_partial_hash_hits`` (a hybrid model's aligned Mamba state with a block
+    larger than the hash block) makes such a hit copy the KV of the tokens it covers
+    into a new block (copy-on-write), and routing, stored by KV slot, does not follow
+    that copy, so every request served from such a hit would fail.
+
+    Raises
+    ------
+    ValueError
+        The scheduler's KV cache serves prefix-cache hits inside a block, naming the
+        options that turn them off.
+    """
+    if getattr(scheduler.kv_cache_manager.coordinator, "enable_partial_hash_hits", False):
+        raise ValueError(
+            "--enable-return-routed-experts is incompatible with prefix-cache hits inside a KV block with slotroute "
+            "(partial hash hits: a hybrid model's aligned Mamba state, --mamba-cache-mode align, with a KV block "
+            "larger than the hash block): their KV is copied into a new block without its routing; turn prefix "
+            "caching off (--no-enable-prefix-caching) or use another --mamba-cache-mode"
+        )
 
 
 def _make_manager(original):
@@ -335,9 +331,7 @@ def _make_manager(original):
     check to patch)."""
 
     def RoutedExpertsManager(vllm_config, kv_cache_config) -> SchedulerRouting:  # noqa: N802 - vLLM's name
-        refusal = micro_batching_refusal(vllm_config.parallel_config)
-        if refusal is not None:
-            raise ValueError(refusal)
+        refuse_micro_batching(vllm_config.parallel_config)
         return SchedulerRouting.for_vllm(vllm_config, kv_cache_config)
 
     return RoutedExpertsManager
@@ -345,7 +339,7 @@ def _make_manager(original):
 
 def _make_scheduler_init(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: refuses
-    prefix-cache hits inside a block (:func:`partial_hit_refusal`) and connects the
+    prefix-cache hits inside a block (:func:`refuse_partial_hits`) and connects the
     routing manager to the scheduler's block pool."""
 
     def __init__(self, *args, **kwargs):
