@@ -8,6 +8,8 @@
 #                                                     # differential against vLLM's own path), then on V1
 #   bash benchmarks/gpu_device.sh tests v2|v1|capture # one part of that
 #   bash benchmarks/gpu_device.sh bench v2 BUDGET_S [gpu_engine.py arguments]
+#   bash benchmarks/gpu_device.sh offload exact|bench BUDGET_S   # gpu_offload.py: routing through
+#                                                     # vLLM's KV offload tier, checked or timed
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
 # end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
@@ -18,7 +20,7 @@ SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:/tmp/site
-case ${1:?install, tests or bench} in
+case ${1:?install, tests, bench or offload} in
 install)
   rm -rf $SR && mkdir -p $SR/slotroute-0.1.0.dist-info && cp -r src/slotroute $SR/
   printf "Metadata-Version: 2.1\nName: slotroute\nVersion: 0.1.0\n" > $SR/slotroute-0.1.0.dist-info/METADATA
@@ -48,5 +50,11 @@ bench)
   python3 benchmarks/gpu_engine.py --runner "$runner" --json /tmp/gpu_engine_$runner.json --budget-s "$budget" "$@" \
     2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
   cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
+  ;;
+offload)
+  mode=${2:?exact or bench}; budget=${3:?seconds}
+  python3 benchmarks/gpu_offload.py $([ "$mode" = exact ] && echo --exact) --json /tmp/gpu_offload_$mode.json \
+    --budget-s "$budget" 2>&1 | tee -a /tmp/gpu_offload_$mode.log | grep -v -E "^\s*$" | tail -40
+  cp /tmp/gpu_offload_$mode.json /tmp/gpu_offload_$mode.log "$OUT"/ 2>/dev/null
   ;;
 esac

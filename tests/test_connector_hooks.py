@@ -33,9 +33,9 @@ def config(kv_connector: str | None = None, **changes) -> SimpleNamespace:
     return SimpleNamespace(**base)
 
 
-@pytest.fixture(params=[False, True], ids=["0.31-0.32", "0.33"])
-def verify(request):
-    return _make_verify_config(None, caps_external_hits=request.param), request.param
+@pytest.fixture
+def verify():
+    return _make_verify_config(None), None
 
 
 def test_a_config_vllm_accepts_is_accepted_without_the_v2_runner_or_prefix_caching(verify):
@@ -74,13 +74,9 @@ def test_pd_connectors_are_refused_in_vllms_words(verify, name):
 
 
 @pytest.mark.parametrize("name", ["OffloadingConnector", "LMCacheConnectorV1", "ExampleConnector"])
-def test_other_kv_connectors_are_served_only_where_their_hits_can_be_capped(verify, name):
-    check, caps = verify
-    if caps:
-        check(config(name))
-    else:
-        with pytest.raises(ValueError, match=f"incompatible with KV connectors on vLLM 0.31-0.32 with slotroute \\({name}\\)"):
-            check(config(name))
+def test_other_kv_connectors_are_served_their_hits_capped_to_the_routing_held(verify, name):
+    check, _ = verify
+    check(config(name))
 
 
 @pytest.mark.parametrize("enable_dbo, ubatch_size", [(True, 0), (False, 2)])
@@ -122,7 +118,7 @@ def test_prefix_cache_hits_inside_a_block_are_refused_as_the_engine_starts_on_ev
 
     routing = scheduler.SchedulerRouting(RoutedExpertsManager(RoutingSpec(2, 2, 4), 4, 4), 0)
     words = r"prefix-cache hits inside a KV block with slotroute .*--no-enable-prefix-caching.*--mamba-cache-mode"
-    for init in (scheduler._make_scheduler_init(built), connector._make_scheduler_init(built)):
+    for init in (scheduler._make_scheduler_init(built), connector._make_scheduler_init(built, False)):
         with pytest.raises(ValueError, match=words):
             init(_scheduler(True, routing))
     # Without them the 0.28-0.30 wrapper connects its routing to the block pool.
@@ -150,8 +146,12 @@ def test_a_local_prefix_cache_hit_is_never_bounded(routing):
 
 
 @pytest.mark.parametrize("num_local, num_external", [(0, 64), (32, 16), (48, 0)])
-def test_an_external_kv_hit_is_capped_to_nothing_so_its_tokens_are_recomputed(routing, num_local, num_external):
+def test_a_hit_of_a_connector_without_a_routing_tier_is_recomputed(routing, num_local, num_external):
+    from slotroute.vllm.offload import ExternalHits
+
     request = SimpleNamespace(request_id="r", num_tokens=200)
+    assert routing.cap_external_hit(request, num_local, num_external) == 0  # no KV connector
+    routing.external_hits = ExternalHits(routing)  # one whose KV arrives without routing (LMCache, ...)
     assert routing.cap_external_hit(request, num_local, num_external) == 0
 
 

@@ -133,10 +133,11 @@ def test_cpu_capture_only_engine_runs_vllms_own_manager_with_the_same_routing(ti
     np.testing.assert_array_equal(np.load(out), want.routed)
 
 
-def test_kv_connector_with_routed_experts_is_still_refused_by_vllm(tiny_model):
-    """KV loaded by a connector (disaggregated prefill, offloading) arrives with no
-    routing. vLLM 0.29-0.30 refuse the combination when the config is built; slotroute
-    leaves that refusal in place rather than serve such requests."""
+def test_kv_connector_with_routed_experts_is_refused_by_vllm_0_28_to_0_30_and_served_from_0_31(tiny_model):
+    """KV loaded by a connector (offloading, LMCache) arrives with no routing. vLLM
+    0.28-0.30 refuse the combination when the config is built, and slotroute leaves that
+    refusal in place; on 0.31+ slotroute caps such hits to the routing it holds
+    (slotroute/vllm/offload.py, test_vllm_offload.py), so the config builds."""
     from vllm.engine.arg_utils import EngineArgs
 
     args = EngineArgs(
@@ -144,6 +145,9 @@ def test_kv_connector_with_routed_experts_is_still_refused_by_vllm(tiny_model):
         enable_return_routed_experts=True,
         kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both"},
     )
+    if connector_generation():
+        assert args.create_engine_config().kv_transfer_config.kv_connector == "ExampleConnector"
+        return
     with pytest.raises(ValueError, match="incompatible with KV connectors|needs no KV transfer connector"):
         args.create_engine_config()
 

@@ -212,6 +212,18 @@ class RoutedExpertsManager:
                 return
         self._store_native(*self._checked_shapes(data, slot_mapping))
 
+    def check_batch(self, data: np.ndarray, slot_mapping: np.ndarray | Sequence[int]) -> None:
+        """Raise what :meth:`store_batch` of the same arguments would raise, storing
+        nothing: for a write queued now and applied later.
+
+        Raises
+        ------
+        ValueError, IndexError
+            As :meth:`store_batch`.
+        """
+        data, slots = self._checked_slots(*self._checked_shapes(data, slot_mapping))
+        self._check_ids(data, slots)
+
     def get(
         self, block_ids: Sequence[int] | np.ndarray, num_tokens: int, token_start: int = 0, out: np.ndarray | None = None
     ) -> np.ndarray:

@@ -30,6 +30,7 @@ from slotroute.spec import MissingRoutingError
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
+from slotroute.vllm.offload import follow_kv
 from slotroute.vllm.scheduler import SchedulerRouting, refuse_micro_batching, refuse_partial_hits
 from slotroute.wire import RoutedExpertsLists, StepFailure, StepMeta
 
@@ -142,6 +143,9 @@ class ConnectorRouting(SchedulerRouting):
         # The step being output, indexed (NOTE 2); None outside update_from_output or
         # where its payload cannot be indexed.
         self._step_rows: _StepRows | None = None
+        # What serves the hits of the scheduler's KV transfer connector, if it has one
+        # (slotroute/vllm/offload.py).
+        self.external_hits = None
 
     @classmethod
     def for_scheduler(cls, scheduler) -> ConnectorRouting:
@@ -274,6 +278,8 @@ class ConnectorRouting(SchedulerRouting):
         if request.is_finished():
             self._cursors.pop(req_id, None)
             self._parked.pop(req_id, None)
+            if self.external_hits is not None:
+                self.external_hits.forget(req_id)
         else:
             blocks = self._coordinator.get_blocks(req_id)[self.attn_gid]
             self._parked[req_id] = [block.block_id for block in blocks]
@@ -291,16 +297,19 @@ class ConnectorRouting(SchedulerRouting):
         return None
 
     def cap_external_hit(self, request, num_local: int, num_external: int) -> int:
-        """Tokens of a KV connector's hit to load (vLLM 0.33): none. KV loaded from
-        outside the block pool arrives without its routing, so those tokens are
-        recomputed and their routing captured fresh; the request is served from its
-        local hit on."""
-        return 0
+        """Tokens of a KV connector's hit to load (vLLM 0.33 asks; on 0.31-0.32 the
+        connector's own lookup is capped with it): those whose routing is held, by
+        vLLM's offloading connector's host tier (``slotroute/vllm/offload.py``);
+        none for any other connector. The rest is recomputed and its routing
+        captured fresh."""
+        if self.external_hits is None:
+            return 0
+        return self.external_hits.cap(request, num_local, num_external)
 
     def request_loading(self, request, num_tokens: int) -> None:
-        """An async KV load starts for the request (vLLM 0.33): nothing to hold, as
-        :meth:`cap_external_hit` admits no load (the scheduler calls this only after
-        admitting one)."""
+        """An async KV load starts for the request (vLLM 0.33): nothing to do, as its
+        rows were queued when the connector placed the load
+        (:meth:`~slotroute.vllm.offload.OffloadRouting.loading`)."""
 
     # -- steps ----------------------------------------------------------------------
 
@@ -318,6 +327,9 @@ class ConnectorRouting(SchedulerRouting):
             As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
         """
         self._step_rows = None
+        external = self.external_hits
+        if external is not None:
+            external.capture(scheduler_output, finished=True)
         if self._pending:
             self.before_output(scheduler_output)
         if type(step) is RoutedExpertsLists:
@@ -326,6 +338,8 @@ class ConnectorRouting(SchedulerRouting):
                 self._step_rows = self._index_step(scheduler_output, step, req_ids, requests or {})
         elif isinstance(step, StepFailure):
             self.fail_step(scheduler_output, step.slot_mapping, step.error)
+        if external is not None:
+            external.capture(scheduler_output, finished=False)
 
     def _index_step(self, scheduler_output, step: RoutedExpertsLists, req_ids, requests) -> _StepRows | None:
         """Where each request's rows sit in the step's payload (NOTE 2), or ``None`` if
@@ -433,11 +447,13 @@ class ConnectorRouting(SchedulerRouting):
 # -- patches ------------------------------------------------------------------------
 
 
-def _make_scheduler_init(original):
+def _make_scheduler_init(original, caps_external_hits: bool):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.__init__``: puts
-    :class:`ConnectorRouting` where vLLM built its ``AuxOutputSchedulerConnector``
-    and connects it to the block pool; refuses prefix-cache hits inside a block
-    (:func:`~slotroute.vllm.scheduler.refuse_partial_hits`)."""
+    :class:`ConnectorRouting` where vLLM built its ``AuxOutputSchedulerConnector``,
+    connects it to the block pool and to the KV transfer connector, if any
+    (:func:`~slotroute.vllm.offload.follow_kv`; ``caps_external_hits``: the
+    scheduler asks ``cap_external_hit`` itself); refuses prefix-cache hits inside a
+    block (:func:`~slotroute.vllm.scheduler.refuse_partial_hits`)."""
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
@@ -446,6 +462,7 @@ def _make_scheduler_init(original):
             routing = ConnectorRouting.for_scheduler(self)
             self.aux_output_connector = routing
             routing.connect(self.kv_cache_manager.block_pool)
+            routing.external_hits = follow_kv(self, routing, caps_external_hits)
 
     return __init__
 
@@ -475,14 +492,14 @@ def _make_update_from_output(original):
 PD_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector", "MoRIIOConnector", "MooncakeConnector")
 
 
-def _make_verify_config(original, caps_external_hits: bool):
+def _make_verify_config(original):
     """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
     vLLM's checks in vLLM's words, less the two its own connector needs and slotroute
     does not (the V2 model runner, prefix caching), and micro-batching (DBO) refused,
-    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them. Any
-    other KV transfer connector (offloading, LMCache) is served where the scheduler
-    lets slotroute cap its hits (``caps_external_hits``, vLLM 0.33:
-    :meth:`ConnectorRouting.cap_external_hit`), and refused where it does not."""
+    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them: their
+    KV arrives from another engine, whose routing no hook brings along. Any other KV
+    transfer connector (offloading, LMCache) is served, its hits capped to the routing
+    slotroute holds (:meth:`ConnectorRouting.cap_external_hit`)."""
 
     def _verify_aux_output_compatibility(self) -> None:
         if not self.aux_output_config.enabled:
@@ -500,18 +517,11 @@ def _make_verify_config(original, caps_external_hits: bool):
             raise ValueError(f"{flag} context parallelism (DCP/PCP > 1).")
         refuse_micro_batching(self.parallel_config)
         kv_transfer_config = self.kv_transfer_config
-        if kv_transfer_config is None or kv_transfer_config.kv_connector is None:
+        if kv_transfer_config is None:
             return
         for name in PD_CONNECTORS:
             if kv_transfer_config.has_connector(name):
                 raise ValueError(f"{flag} {name}; PD auxiliary output is not supported.")
-        if not caps_external_hits:
-            # KV a connector loads arrives without its routing, and this vLLM has no hook
-            # to recompute such hits instead.
-            raise ValueError(
-                f"{flag} KV connectors on vLLM 0.31-0.32 with slotroute ({kv_transfer_config.kv_connector}): "
-                "KV loaded from outside the block pool has no routing, and this vLLM cannot recompute it"
-            )
 
     return _verify_aux_output_compatibility
 
@@ -548,13 +558,16 @@ def _connector_patches(built_as: str, schedule_calls: tuple[str, ...], caps_exte
               ("AuxOutput Connector requires Model Runner V2", "AuxOutput Connector requires prefix caching",
                "pipeline_parallel_size > 1", "prefill_context_parallel_size > 1", "MooncakeConnector",
                "kv_transfer_config.has_connector(connector_name)"),
-              lambda original: _make_verify_config(original, caps_external_hits)),
+              _make_verify_config),
         *BLOCK_POOL_PATCHES,
         Patch("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator.get_blocks", ("self", "request_id"),
               ("manager.req_to_blocks.get(request_id)", "for manager in self.single_type_managers"), None),
-        Patch(SCHEDULER, "Scheduler.__init__", None, (built_as, "self.kv_cache_manager = KVCacheManager("),
-              _make_scheduler_init),
-        Patch(SCHEDULER, "Scheduler.schedule", None, schedule_calls, None),
+        Patch(SCHEDULER, "Scheduler.__init__", None,
+              (built_as, "self.kv_cache_manager = KVCacheManager(", "self.connector = KVConnectorFactory.create_connector("),
+              lambda original: _make_scheduler_init(original, caps_external_hits)),
+        Patch(SCHEDULER, "Scheduler.schedule", None,
+              (*schedule_calls, "self.connector.get_num_new_matched_tokens(", "self.connector.update_state_after_alloc("),
+              None),
         Patch(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
               ("self.aux_output_connector.take_output(", "model_runner_output.aux_output_connector_output"),
               _make_update_from_output),

@@ -114,8 +114,9 @@ class SchedulerRouting:
         self._step = 0
         # Block ids handed out since the last schedule() returned.
         self._allocated: list[int] = []
-        # (step, block ids) to invalidate when that step's output arrives, oldest first.
-        self._pending: deque[tuple[int, list[int]]] = deque()
+        # (step, block ids to invalidate, or (slots, rows) to write) to apply when that
+        # step's output arrives, in the order they were queued.
+        self._pending: deque[tuple[int, list[int] | tuple[np.ndarray, np.ndarray]]] = deque()
         # (marker returned by get, the error) for reads that failed in this output.
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
         # Ids of the requests of a step whose routing failed its check, in this output.
@@ -220,15 +221,37 @@ class SchedulerRouting:
             self._pending.append((self._step, self._allocated))
             self._allocated = []
 
+    def write_after_allocation(self, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Queue ``rows`` to be stored at ``slots`` (blocks handed out in the step
+        being scheduled, whose KV is loaded from outside the block pool) when that
+        step's output arrives, after the invalidation of the blocks handed out so far
+        and before that of any block handed out later (NOTE 1).
+
+        Raises
+        ------
+        ValueError, IndexError
+            As ``RoutedExpertsManager.store_batch``, checked now; nothing is queued.
+        """
+        self.store.check_batch(rows, slots)
+        if self._allocated:
+            self._pending.append((self._step + 1, self._allocated))
+            self._allocated = []
+        self._pending.append((self._step + 1, (slots, rows)))
+
     def before_output(self, scheduler_output) -> None:
-        """Apply the invalidations of every step up to this output's, oldest first.
+        """Apply the invalidations and queued writes of every step up to this
+        output's, in the order they were queued.
 
         An output with no tag (not seen by ``seal_step``) applies all of them: early
         invalidation can only turn a read into an error, never into stale data.
         """
         step = getattr(scheduler_output, _STEP_ATTR, self._step)
         while self._pending and self._pending[0][0] <= step:
-            self.store.invalidate_blocks(self._pending.popleft()[1])
+            change = self._pending.popleft()[1]
+            if type(change) is tuple:
+                self.store.store_batch(change[1], change[0])
+            else:
+                self.store.invalidate_blocks(change)
 
     def after_output(self, scheduler, outputs: dict) -> None:
         """:meth:`finish_missing`, then :meth:`forget_gone_requests`: what follows
