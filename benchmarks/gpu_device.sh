@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_device.sh bench v2 BUDGET_S [gpu_engine.py arguments]
 #   bash benchmarks/gpu_device.sh offload exact|bench BUDGET_S   # gpu_offload.py: routing through
 #                                                     # vLLM's KV offload tier, checked or timed
+#   bash benchmarks/gpu_device.sh pytest [pytest arguments]     # any GPU tests, in this environment
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
 # end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
@@ -20,7 +21,7 @@ SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:/tmp/site
-case ${1:?install, tests, bench or offload} in
+case ${1:?install, tests, bench, offload or pytest} in
 install)
   rm -rf $SR && mkdir -p $SR/slotroute-0.1.0.dist-info && cp -r src/slotroute $SR/
   printf "Metadata-Version: 2.1\nName: slotroute\nVersion: 0.1.0\n" > $SR/slotroute-0.1.0.dist-info/METADATA
@@ -50,6 +51,12 @@ bench)
   python3 benchmarks/gpu_engine.py --runner "$runner" --json /tmp/gpu_engine_$runner.json --budget-s "$budget" "$@" \
     2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
   cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
+  ;;
+pytest)
+  shift
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -m pytest -q -s -p no:cacheprovider "$@" > $OUT/pytest.log 2>&1
+  echo "pytest rc=$?"; grep -E "RESULT|passed|failed|FAILED|Error" $OUT/pytest.log | tail -20
   ;;
 offload)
   mode=${2:?exact or bench}; budget=${3:?seconds}

@@ -67,8 +67,10 @@ PREFIX_PROMPTS = [
 ]
 PREEMPT_PROMPTS = [prompt_tokens(70 + i, 100 + 10 * i) for i in range(8)]
 ABORT_PROMPTS = {name: prompt_tokens(40 + i, 300 + 60 * i) for i, name in enumerate("abc")}
+FAILING_PROMPT = prompt_tokens(63, 70)
 REFERENCE_JOBS = (
     [(p, 8) for p in PREFIX_PROMPTS] + [(p, 150) for p in PREEMPT_PROMPTS] + [(ABORT_PROMPTS[n], 10) for n in "ac"]
+    + [(FAILING_PROMPT, 4)]
 )
 
 # The reference engine, alone in its process: argv = model, jobs (json), output (npz).
@@ -275,6 +277,44 @@ def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_r
     for name in "ac":
         assert_same_routing(finished[name], gpu_reference(prompts[name], 10), oracle)
     assert not scheduler.requests and not per_request_routing_state(scheduler)
+
+
+def worker_routing(llm):
+    """slotroute's worker routing in the engine's model runner, whichever holds it: the
+    V1 adapter, the V2 aux-output connector (0.31+) or the V2 capturer (0.28-0.30)."""
+    runner = runner_of(llm)
+    found = runner.__dict__.get("_slotroute_routing")
+    for holder in ("aux_output_connector", "routed_experts_capturer"):
+        found = found or getattr(getattr(runner, holder, None), "routing", None)
+    return found
+
+
+def test_step_whose_routing_fails_its_check_fails_its_request_alone(llm, gpu_reference, oracle):
+    """An expert id out of range in the capture buffer of one step (written between the
+    forward, a CUDA graph replay, and the snapshot kernel that checks it): the worker
+    ships the step's failure instead of rows, the step's request finishes with an
+    error, and the engine serves the same prompt on with the reference's routing."""
+    routing = worker_routing(llm)
+    snapshot, armed = routing.snapshot_step, [True]
+
+    def snapshot_step(num_tokens, slots, *args, **kwargs):
+        if armed[0]:
+            armed[0] = False
+            routing.capturer._buffer[2, MOE_LAYERS[-1], 1] = routing.capturer.spec.num_experts
+        return snapshot(num_tokens, slots, *args, **kwargs)
+
+    llm.reset_prefix_cache()
+    routing.snapshot_step = snapshot_step
+    try:
+        (failed,) = generate(llm, [FAILING_PROMPT], greedy(4))
+    finally:
+        del routing.snapshot_step
+    assert not armed[0], "no step was snapshotted"
+    assert failed.finish_reason == "error" and failed.routed is None
+    llm.reset_prefix_cache()
+    (after,) = generate(llm, [FAILING_PROMPT], greedy(4))
+    assert_same_routing(after, gpu_reference(FAILING_PROMPT, 4), oracle)
+    print(f"RESULT failing step ({RUNNER}): the request failed alone, the engine served on with exact routing")
 
 
 def test_routing_equals_the_top_k_of_transformers_routers(llm, oracle):

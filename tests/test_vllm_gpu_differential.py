@@ -3,8 +3,8 @@ runner, where vLLM's own path runs): the same prompts through vLLM's own path
 (``SLOTROUTE_DISABLE=1``) and through slotroute, each engine alone in its process,
 prefix caching on and a second round of the same prompts that hits the cache, in
 float32 and in bfloat16; and with vLLM's model-free ``ngram`` speculative decoding,
-where vLLM's own path trims each request's rejected draft tokens by the count the
-sampler gives and slotroute relies on their slots being rewritten. Both engines run
+where both paths drop each request's rejected draft tokens by the count the sampler
+gives (slotroute before the scheduler stores their rows). Both engines run
 the same kernels on the same batches, so every token and every row (as a set of
 experts) must be equal. Skipped without CUDA; run on the device machine (results in
 docs/vllm.md, "GPU runs").
@@ -72,6 +72,8 @@ if not extra.get("disable_log_stats", True):
         if metric.name in totals:
             totals[metric.name] += metric.value
     found["drafts"] = np.array([totals[name] for name in names])
+runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+found["rows_rejected"] = np.array(getattr(getattr(runner, "aux_output_connector", None), "rows_rejected", -1))
 np.savez(out, **found)
 print("CHILD DONE")
 """ % GENERATED
@@ -128,14 +130,18 @@ def test_slotroute_returns_vllms_own_rows_and_tokens_with_and_without_cache_hits
 
 def test_ngram_speculation_returns_vllms_own_rows_only_for_accepted_tokens(tiny_model, tmp_path):
     """Both paths with the same ngram drafts: vLLM's own trims each request's rejected
-    drafts from its rows; slotroute returns rows up to the request's last accepted
-    token, and a rejected draft's slot is rewritten when its replacement is forwarded."""
+    drafts from its rows; slotroute drops their rows before the scheduler stores them
+    (as many as vLLM's counters say were rejected) and returns rows up to the
+    request's last accepted token."""
     extra = dict(speculative_config=NGRAM, disable_log_stats=False)
     own = run_engine(tiny_model, "float32", own_path=True, work=tmp_path, prompts=SPEC_PROMPTS, **extra)
     ours = run_engine(tiny_model, "float32", own_path=False, work=tmp_path, prompts=SPEC_PROMPTS, **extra)
     drafted, accepted = (int(n) for n in ours["drafts"])
     assert 0 < accepted < drafted, f"{drafted} draft tokens, {accepted} accepted: need some of each"
+    # Every rejected draft's row was dropped before the scheduler stored it.
+    assert int(ours["rows_rejected"]) == drafted - accepted, (int(ours["rows_rejected"]), drafted, accepted)
     hits = assert_equal_runs(ours, own, SPEC_PROMPTS)
     assert hits >= len(SPEC_PROMPTS)
     print(f"RESULT ngram float32: {2 * len(SPEC_PROMPTS)} requests, {hits} with prefix-cache hits, "
           f"{drafted} draft tokens, {accepted} accepted, every token and row equal")
+

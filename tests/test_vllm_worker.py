@@ -209,6 +209,46 @@ def test_v2_pending_step_needs_no_copy_of_its_own_and_processes_to_the_steps_row
     np.testing.assert_array_equal(shipped.slot_mapping, [3])
 
 
+def test_rejected_drafts_slots_become_padding_by_the_samplers_counts():
+    from slotroute.vllm.runner_v2_connector import drop_rejected
+    from slotroute.wire import RoutedExpertsLists
+
+    rows = np.zeros((7, *SPEC.token_shape), SPEC.storage_dtype)
+    shipped = RoutedExpertsLists(routing_data=rows, slot_mapping=np.arange(10, 17, dtype=np.int64))
+    # Requests of 2, 4 and 1 tokens: the second's last 2 (drafts) were rejected, the first's 1.
+    trimmed = drop_rejected(shipped, np.array([2, 6, 7]), np.array([1, 2, 0, 9]))  # V2 pads past num_reqs
+    np.testing.assert_array_equal(trimmed.slot_mapping, [10, -1, 12, 13, -1, -1, 16])
+    assert trimmed.routing_data is rows
+    np.testing.assert_array_equal(shipped.slot_mapping, np.arange(10, 17))  # a new array
+
+
+@pytest.mark.parametrize(
+    "run_ends, num_rejected",
+    [([2, 6, 7], [0, 0, 0]), ([2, 6, 7], [3, 0, 0]), ([2, 6, 8], [1, 0, 0]), ([2, 6, 7], [-1, 0, 0]), ([2, 6], [1])],
+    ids=["none rejected", "more than the request's tokens", "runs past the rows", "negative", "counts short"],
+)
+def test_rejected_drafts_counts_that_do_not_fit_the_rows_change_nothing(run_ends, num_rejected):
+    from slotroute.vllm.runner_v2_connector import drop_rejected
+    from slotroute.wire import RoutedExpertsLists
+
+    shipped = RoutedExpertsLists(routing_data=np.zeros((7, *SPEC.token_shape), SPEC.storage_dtype),
+                                 slot_mapping=np.arange(7, dtype=np.int64))
+    assert drop_rejected(shipped, np.array(run_ends), np.array(num_rejected)) is shipped
+
+
+def test_v2_pending_step_ships_no_slot_for_a_rejected_draft_and_counts_it():
+    from types import SimpleNamespace
+
+    from slotroute.vllm.runner_v2_connector import PendingStep
+
+    connector = SimpleNamespace(rows_rejected=0)
+    step = PendingStep(pending_step([[1, 2], [3, 4], [5, 6]], [7, 8, 9]), np.array([1, 3]), connector)
+    step.enqueue_cpu_copy(np.array([1, 1]), np.array([0, 2]))
+    shipped = step.process_output()
+    np.testing.assert_array_equal(shipped.slot_mapping, [7, -1, -1])
+    assert connector.rows_rejected == 2
+
+
 def test_the_v2_connector_captures_on_the_runners_device_not_where_a_parameter_lives():
     """``--cpu-offload-gb`` may leave the first parameters on the host: the capture
     device comes from the engine's device config."""

@@ -16,43 +16,84 @@ which also clears the capture buffer for the next step (so under CUDA graphs a M
 layer that wrote nothing fails the check instead of shipping an older step's ids;
 ``begin_step`` clears it only after a dummy run), ``enqueue_cpu_copy`` enqueues its
 one copy on V2's output copy stream, and ``process_output``, called once V2 has
-waited for that stream's event, returns :func:`~slotroute.vllm.worker.step_output`.
+waited for that stream's event, returns :func:`~slotroute.vllm.worker.step_output`
+with the slots of the draft tokens the sampler rejected dropped
+(:func:`drop_rejected`).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from slotroute.capture import PendingSnapshot
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.worker import WorkerRouting, step_output
-from slotroute.wire import StepMeta
+from slotroute.wire import RoutedExpertsLists, StepMeta
 
-__all__ = ["PendingStep", "StepConnector", "v2_runner_connector_patches"]
+__all__ = ["PendingStep", "StepConnector", "drop_rejected", "v2_runner_connector_patches"]
 
 RUNNER = "vllm.v1.worker.gpu.model_runner"
 ASYNC_UTILS = "vllm.v1.worker.gpu.async_utils"
 
 
+def drop_rejected(shipped: RoutedExpertsLists, run_ends: np.ndarray, num_rejected: np.ndarray) -> RoutedExpertsLists:
+    """The step's rows with the slots of rejected draft tokens set to -1 (padding: the
+    scheduler stores nothing for them). Request ``i``'s tokens are rows
+    ``run_ends[i - 1] .. run_ends[i] - 1`` (V2's ``query_start_loc``), its drafts last,
+    and the sampler rejected its last ``num_rejected[i]``. A new slot array where some
+    are dropped, ``shipped`` itself where none is; unchanged too where the counts do
+    not fit the rows (a rejected draft's row is then stored, and rewritten when the
+    token that replaces it is forwarded, as before the sampler's counts were read)."""
+    n = len(run_ends)
+    rejected = np.asarray(num_rejected)[:n].astype(np.int64, copy=False)
+    if n == 0 or len(rejected) != n or not rejected.any():
+        return shipped
+    slots = shipped.slot_mapping
+    starts = np.empty(n, np.int64)
+    starts[0], starts[1:] = 0, run_ends[:-1]
+    if run_ends[-1] != len(slots) or (rejected < 0).any() or (rejected > run_ends - starts).any():
+        return shipped
+    total = int(rejected.sum())
+    first = np.repeat(run_ends - rejected, rejected)
+    offset = np.arange(total) - np.repeat(np.cumsum(rejected) - rejected, rejected)
+    slots = slots.copy()
+    slots[first + offset] = -1
+    return RoutedExpertsLists(routing_data=shipped.routing_data, slot_mapping=slots)
+
+
 class PendingStep:
     """One step's routing on its way to the scheduler, in the place of vLLM's
-    ``PendingAuxOutput``."""
+    ``PendingAuxOutput``: the snapshot, where each request's tokens end in it
+    (``run_ends``, ``None`` if unknown) and, once the sampler ran, how many of each
+    request's draft tokens it rejected."""
 
-    __slots__ = ("pending",)
+    __slots__ = ("pending", "run_ends", "num_rejected", "connector")
 
-    def __init__(self, pending: PendingSnapshot) -> None:
+    def __init__(self, pending: PendingSnapshot, run_ends: np.ndarray | None = None, connector=None) -> None:
         self.pending = pending
+        self.run_ends = run_ends
+        self.num_rejected = None
+        self.connector = connector
 
     def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
         """Enqueue the snapshot's one copy on the current stream: V2's output copy
         stream, whose blocking event ``get_output`` waits on before
-        :meth:`process_output`. Rejected draft tokens need no trimming: their slots are
-        rewritten when the tokens that replace them are forwarded."""
+        :meth:`process_output`; keep ``num_rejected`` (a host array V2 fills on the same
+        stream) for it."""
+        self.num_rejected = num_rejected
         self.pending.enqueue_copy()
 
     def process_output(self):
-        """Wait for the copy; what :func:`~slotroute.vllm.worker.step_output` ships."""
-        return step_output(self.pending)
+        """Wait for the copy; what :func:`~slotroute.vllm.worker.step_output` ships, the
+        rejected drafts' slots dropped (:func:`drop_rejected`)."""
+        shipped = step_output(self.pending)
+        if type(shipped) is RoutedExpertsLists and self.run_ends is not None and self.num_rejected is not None:
+            trimmed = drop_rejected(shipped, self.run_ends, self.num_rejected)
+            if trimmed is not shipped and self.connector is not None:
+                self.connector.rows_rejected += int((trimmed.slot_mapping < 0).sum() - (shipped.slot_mapping < 0).sum())
+            shipped = trimmed
+        return shipped
 
 
 def runner_device(vllm_config) -> torch.device:
@@ -78,6 +119,8 @@ class StepConnector:
         # the first parameters on the host.
         self.routing = WorkerRouting(vllm_config, kv_cache_config, model, runner_device(vllm_config))
         self._slots: torch.Tensor | None = None
+        # Rows of rejected draft tokens dropped so far (drop_rejected).
+        self.rows_rejected = 0
 
     def begin_step(self, metadata) -> None:
         if isinstance(metadata, StepMeta) and metadata.num_tokens:
@@ -90,13 +133,17 @@ class StepConnector:
 
     def prepare_output(self, input_batch) -> PendingStep | None:
         """Start shipping the step's rows (``input_batch.num_tokens``, padding excluded)
-        with their slots; ``None`` if no slot mapping was staged. Bounded by one kernel
-        launch: the copy goes on V2's output copy stream (``enqueue_cpu_copy``)."""
+        with their slots, and where each request's tokens end among them (for the
+        rejected drafts' slots, :class:`PendingStep`); ``None`` if no slot mapping was
+        staged. Bounded by one kernel launch: the copy goes on V2's output copy stream
+        (``enqueue_cpu_copy``)."""
         slots, self._slots = self._slots, None
         if slots is None:
             self.routing.forward_without_snapshot()
             return None
-        return PendingStep(self.routing.snapshot_step(input_batch.num_tokens, slots, defer_copy=True))
+        starts = getattr(input_batch, "query_start_loc_np", None)
+        run_ends = None if starts is None else np.array(starts[1 : input_batch.num_reqs + 1], np.int64)
+        return PendingStep(self.routing.snapshot_step(input_batch.num_tokens, slots, defer_copy=True), run_ends, self)
 
     def close(self) -> None:
         """Nothing held beyond the capturer's buffers, which go with this object."""
