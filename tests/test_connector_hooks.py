@@ -127,6 +127,14 @@ def test_prefix_cache_hits_inside_a_block_are_refused_as_the_engine_starts_on_ev
     assert routing._evict_cached is served.kv_cache_manager.block_pool.evict_blocks
 
 
+def test_a_speculative_draft_models_own_config_is_not_checked(verify):
+    """vLLM builds a configuration for a draft model with the target's aux-output
+    config and the ``draft`` runner; vLLM's check refuses it as not a generate runner.
+    The target's configuration was checked: the drafter's passes."""
+    check, _ = verify
+    check(config("NixlConnector", model_config=SimpleNamespace(runner_type="draft", is_moe=False)))
+
+
 def test_routing_off_is_never_refused(verify):
     check, _ = verify
     check(config("NixlConnector", aux_output_config=SimpleNamespace(enabled=False)))

@@ -496,7 +496,9 @@ def _make_verify_config(original):
     """Replaces ``vllm/config/vllm.py`` ``VllmConfig._verify_aux_output_compatibility``:
     vLLM's checks in vLLM's words, less the two its own connector needs and slotroute
     does not (the V2 model runner, prefix caching), and micro-batching (DBO) refused,
-    which vLLM serves. vLLM's P/D connectors are refused as vLLM refuses them: their
+    which vLLM serves; a speculative draft model's own configuration (the ``draft``
+    runner, which vLLM refuses) passes, as its target's was checked. vLLM's P/D
+    connectors are refused as vLLM refuses them: their
     KV arrives from another engine, whose routing no hook brings along. Any other KV
     transfer connector (offloading, LMCache) is served, its hits capped to the routing
     slotroute holds (:meth:`ConnectorRouting.cap_external_hit`)."""
@@ -505,6 +507,8 @@ def _make_verify_config(original):
         if not self.aux_output_config.enabled:
             return
         flag = "--enable-return-routed-experts is incompatible with"
+        if self.model_config.runner_type == "draft":
+            return  # a speculative draft model's own config: its target's was checked
         if self.model_config.runner_type != "generate":
             raise ValueError("AuxOutput Connector only supports generate runners.")
         if not self.model_config.is_moe:
