@@ -3,8 +3,10 @@
 An engine with a KV transfer connector sets vLLM's process-wide transfer group, which
 every later engine of the process then expects metadata for; so the offloading engine
 runs here, and the test process keeps its reference engine. Usage:
-``python offload_child.py MODEL OUT.pkl``; writes a dict of scenario name -> what it
-saw (completions, counters).
+``python offload_child.py MODEL OUT.pkl [offload|example]``; writes a dict of scenario
+name -> what it saw (completions, counters). ``example`` runs vLLM's
+``ExampleConnector`` (KV saved to files and loaded back on a hit: KV that arrives with
+no routing) instead of the offloading connector.
 """
 
 from __future__ import annotations
@@ -124,5 +126,38 @@ def main(model: str, out: str) -> None:
         pickle.dump(seen, f)
 
 
+def example(model: str, out: str) -> None:
+    """The same prompts twice through vLLM's ``ExampleConnector``, the block pool's
+    cache reset in between: the connector offers the second round's prompts from its
+    files, and every such hit is capped to nothing and recomputed."""
+    import tempfile
+
+    llm = make_llm(
+        model, enable_prefix_caching=True, max_num_batched_tokens=128, max_model_len=512,
+        num_gpu_blocks_override=GPU_BLOCKS,
+        kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                            "kv_connector_extra_config": {"shared_storage_path": tempfile.mkdtemp()}},
+    )
+    routing = routing_of(scheduler_of(llm))
+    offered, admitted = [], []
+    cap = routing.cap_external_hit
+
+    def cap_external_hit(request, num_local, num_external):
+        offered.append(num_external)
+        admitted.append(cap(request, num_local, num_external))
+        return admitted[-1]
+
+    routing.cap_external_hit = cap_external_hit
+    prompts = conversations(np.random.default_rng(1), 3, 200)
+    first = generate(llm, prompts, greedy(MAX_TOKENS))
+    llm.reset_prefix_cache()
+    second = generate(llm, prompts, greedy(MAX_TOKENS))
+    seen = {name: dict(prompts=prompts, completions=[vars(c) for c in done]) for name, done in
+            (("first", first), ("second", second))}
+    seen["setup"] = dict(hits=type(routing.external_hits).__name__, offered=offered, admitted=admitted)
+    with open(out, "wb") as f:
+        pickle.dump(seen, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    (example if sys.argv[3:] == ["example"] else main)(sys.argv[1], sys.argv[2])

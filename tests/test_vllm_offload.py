@@ -27,17 +27,21 @@ pytestmark = [
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def seen(tiny_model, tmp_path_factory) -> dict:
-    """What each scenario of ``offload_child.py`` saw."""
-    out = tmp_path_factory.mktemp("offload") / "seen.pkl"
+def run_child(tiny_model, tmp_path_factory, mode: str) -> dict:
+    out = tmp_path_factory.mktemp(mode) / "seen.pkl"
     result = subprocess.run(
-        [sys.executable, str(HERE / "offload_child.py"), tiny_model, str(out)],
+        [sys.executable, str(HERE / "offload_child.py"), tiny_model, str(out), mode],
         capture_output=True, text=True, timeout=900, cwd=HERE,
     )
     assert result.returncode == 0, result.stderr[-6000:]
     with open(out, "rb") as f:
         return pickle.load(f)
+
+
+@pytest.fixture(scope="module")
+def seen(tiny_model, tmp_path_factory) -> dict:
+    """What each scenario of ``offload_child.py`` saw with the offloading connector."""
+    return run_child(tiny_model, tmp_path_factory, "offload")
 
 
 def assert_lone_run_routing(scenario: dict, reference, max_tokens: int) -> None:
@@ -102,3 +106,16 @@ def test_a_hit_whose_routing_is_not_held_is_recomputed_not_loaded(seen, referenc
     assert scenario["stats"]["tokens_loaded"] == scenario["stats_before"]["tokens_loaded"]
     assert scenario["completions"][0]["num_cached_tokens"] == 0
     assert_lone_run_routing(scenario, reference, 8)
+
+
+def test_hits_of_a_connector_whose_kv_arrives_without_routing_are_recomputed(tiny_model, tmp_path_factory, reference):
+    """vLLM's ``ExampleConnector`` offers the second round's prompts from its files;
+    each hit is capped to nothing, so those tokens are recomputed, never served with
+    zeros or stale rows."""
+    found = run_child(tiny_model, tmp_path_factory, "example")
+    setup = found["setup"]
+    assert setup["hits"] == "ExternalHits"
+    assert sum(setup["offered"]) > 0 and set(setup["admitted"]) == {0}
+    assert all(c["num_cached_tokens"] == 0 for c in found["second"]["completions"])
+    assert_lone_run_routing(found["first"], reference, 8)
+    assert_lone_run_routing(found["second"], reference, 8)
