@@ -167,3 +167,41 @@ def test_a_kv_load_changes_nothing_in_the_store(routing):
     before = routing.store.stats()
     routing.request_loading(SimpleNamespace(request_id="r", num_tokens=64), 32)
     assert routing.store.stats() == before and "r" not in routing._cursors
+
+
+# -- the offload tier's hooks (slotroute/vllm/offload.py) ------------------------------
+
+
+def offload_routing(routing):
+    """An ``OffloadRouting`` over stand-ins of the offloading connector's scheduler side:
+    one KV cache group of chunks of 8 tokens, one hash each."""
+    from slotroute.vllm.offload import OffloadRouting
+
+    group = SimpleNamespace(group_idx=0, tokens_per_chunk=8, hashes_per_chunk=1, tokens_per_block=4)
+    scheduler = SimpleNamespace(config=SimpleNamespace(kv_group_configs=[group]), _req_status={})
+    return OffloadRouting(routing, scheduler, group, lambda block_hash, gid: block_hash + bytes(4), None)
+
+
+def test_a_hit_is_capped_at_the_first_chunk_whose_rows_the_tier_cannot_return(routing):
+    import numpy as np
+
+    hits = offload_routing(routing)
+    spec = routing.store.spec
+    key = b"h0" + bytes(4)
+    hits.tier.expect([key])
+    hits.tier.put(key, 0, np.zeros((8, *spec.token_shape), spec.storage_dtype))
+    hits.tier.complete([key])
+    request = SimpleNamespace(request_id="r", block_hashes=[b"h0", b"h1", b"h2"])
+    assert hits.cap(request, 0, 24) == 8  # chunk 1's rows are not held
+    assert hits.cap(request, 8, 16) == 0
+    assert hits.stats["tokens_capped"] == 16 + 16
+
+
+def test_an_offload_tier_hook_that_fails_logs_and_recomputes_instead_of_stopping_the_engine(routing, caplog):
+    hits = offload_routing(routing)
+    broken = SimpleNamespace(request_id="r")  # no block hashes: each hook that reads them raises inside
+    assert hits.cap(broken, 0, 16) == 0
+    hits._hit_starts["r"] = 0
+    hits.loading(broken, 16)
+    assert "the offload tier's cap failed" in caplog.text and "the offload tier's loading failed" in caplog.text
+    assert not routing._pending  # nothing queued for the load

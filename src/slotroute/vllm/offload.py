@@ -23,6 +23,7 @@ aux-output connector); on 0.31-0.32, :func:`follow_kv` caps the connector's own
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 
@@ -35,6 +36,27 @@ from slotroute.vllm import LOGGER_NAME
 __all__ = ["ExternalHits", "OffloadRouting", "follow_kv"]
 
 logger = logging.getLogger(LOGGER_NAME)
+
+
+def _never_raises(fallback=None):
+    """A hook vLLM's scheduler calls never stops the engine: an error is logged and
+    ``fallback`` returned. Each hook's fallback is safe: a hit capped to nothing is
+    recomputed; rows not captured make their chunk's hits recomputed; rows not queued
+    for a load make the loading request fail alone at its read."""
+
+    def decorate(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                logger.exception("slotroute: the offload tier's %s failed; the hits it concerns are recomputed "
+                                 "or fail alone", method.__name__)
+                return fallback
+
+        return guarded
+
+    return decorate
 
 
 class ExternalHits:
@@ -132,6 +154,7 @@ class OffloadRouting(ExternalHits):
         hashes = request.block_hashes
         return self._make_key(hashes[index], self._group_idx) if index < len(hashes) else None
 
+    @_never_raises(fallback=0)
     def cap(self, request, num_local: int, num_external: int) -> int:
         """Tokens of the hit to load: from ``num_local`` on, up to the first chunk whose
         rows the tier cannot return, at most ``num_external``. Bounded by a dict
@@ -157,6 +180,7 @@ class OffloadRouting(ExternalHits):
             self._hit_starts[request.request_id] = num_local
         return held
 
+    @_never_raises()
     def loading(self, request, num_external: int) -> None:
         """The connector loads ``num_external`` tokens of the request's hit into its
         blocks (NOTE 2): queue their rows for those blocks' slots."""
@@ -201,6 +225,7 @@ class OffloadRouting(ExternalHits):
         """The connector builds the store jobs of this step (NOTE 1)."""
         self._building = scheduler_output
 
+    @_never_raises()
     def storing(self, keys, req_context) -> None:
         """The offload tier accepted a store of these keys' KV for a request: each
         awaits its rows, to be read at the output of the step being built."""
@@ -237,6 +262,7 @@ class OffloadRouting(ExternalHits):
         ``vllm/v1/kv_offload/base.py``) is of routing's KV cache group."""
         return int.from_bytes(key[-4:], "big") == self._group_idx
 
+    @_never_raises()
     def capture(self, scheduler_output, finished: bool) -> None:
         """Read into the tier the rows of the chunks whose store jobs were built with
         this step (NOTE 1), and any left from earlier steps: first (``finished``,
