@@ -165,16 +165,17 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         timer.wrap(RoutedExpertsTensors, "tolists", "worker")
     elif connector_generation:
         from slotroute.vllm import runner_v1, runner_v2_connector
+        from slotroute.store import RoutedExpertsManager
         from slotroute.vllm.connector import ConnectorRouting
+        from slotroute.vllm.routing import SlotRouting
         from slotroute.vllm.worker import WorkerRouting
 
         # Not ``get`` nor ``store_batch``'s time: ``take_output`` and ``take_step`` call them.
-        timer.wrap(ConnectorRouting, "store_batch", "bytes", count_bytes)
-        for name in ("on_new_blocks", "build_connector_meta", "take_output", "request_finished", "take_step",
-                     "after_output"):
+        timer.wrap(RoutedExpertsManager, "store_batch", "bytes", count_bytes)
+        for name in ("build_connector_meta", "take_output", "request_finished", "take_step", "after_output"):
             timer.wrap(ConnectorRouting, name, "scheduler")
-        for name in ("_rows_of_step", "_read", "_index_step", "_catch_up"):
-            timer.wrap(ConnectorRouting, name, "detail")
+        timer.wrap(SlotRouting, "on_new_blocks", "scheduler")
+        timer.wrap(ConnectorRouting, "_read_next", "detail")
         timer.wrap(WorkerRouting, "begin_step", "worker")
         timer.wrap(WorkerRouting, "snapshot_step", "worker")
         timer.wrap(runner_v2_connector.PendingStep, "enqueue_cpu_copy", "worker")
@@ -182,13 +183,15 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         timer.wrap(runner_v1, "_ship_aux_output", "worker")
     else:
         from slotroute.vllm import runner_v1, runner_v2
+        from slotroute.vllm.routing import SlotRouting
         from slotroute.vllm.scheduler import SchedulerRouting
         from slotroute.vllm.worker import WorkerRouting
 
         timer.wrap(SchedulerRouting, "store_batch", "scheduler", count_bytes)
         timer.wrap(SchedulerRouting, "get", "scheduler")
-        for name in ("on_new_blocks", "seal_step", "before_output", "after_output"):
-            timer.wrap(SchedulerRouting, name, "scheduler")
+        timer.wrap(SchedulerRouting, "after_output", "scheduler")
+        for name in ("on_new_blocks", "seal_step", "before_output"):
+            timer.wrap(SlotRouting, name, "scheduler")
         timer.wrap(WorkerRouting, "begin_step", "worker")
         timer.wrap(WorkerRouting, "snapshot_step", "worker")
         timer.wrap(runner_v2.StepRouting, "to_cpu_nonblocking", "worker")

@@ -43,8 +43,8 @@ def get_cases(preset):
 
 
 @pytest.fixture(scope="module")
-def scheduler_read_cases(preset):
-    return bench.scheduler_read_cases(bench.make_scheduler_read_workload(bench.PRESETS[preset]))
+def scheduler_reads(preset):
+    return bench.make_scheduler_read_workload(bench.PRESETS[preset])
 
 
 def run(benchmark, group: str, fn):
@@ -78,14 +78,23 @@ def test_encode_and_decode_of_an_8192_token_step(benchmark, preset, step_workloa
 
 
 @pytest.mark.parametrize("case", ["ours", "baseline", "memcpy"])
-def test_scheduler_reads_of_one_decode_step_of_256_requests(benchmark, preset, scheduler_read_cases, case):
-    out = run(benchmark, f"scheduler reads 256 requests {preset}", scheduler_read_cases[case])
+def test_scheduler_reads_of_one_decode_step_of_256_requests(benchmark, preset, scheduler_reads, case):
+    out = run(benchmark, f"scheduler reads 256 requests {preset}", bench.scheduler_read_cases(scheduler_reads)[case])
     token_shape = bench.PRESETS[preset].token_shape
     if case == "memcpy":
         assert out.shape == (256, *token_shape)
-    else:  # one row per request, the same rows on both paths
+    elif case == "ours":  # no request finished: its read waits for its finish
+        assert out == [None] * 256
+    else:
         assert [row.shape for row in out] == [(1, *token_shape)] * 256
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(out, scheduler_read_cases["baseline"]()))
+
+
+@pytest.mark.parametrize("case", ["ours", "memcpy"])
+def test_scheduler_reads_of_256_requests_finishing(benchmark, preset, scheduler_reads, case):
+    cases = bench.scheduler_finish_cases(scheduler_reads)
+    out = run(benchmark, f"scheduler finish 256 requests {preset}", cases[case])
+    expected = cases["memcpy"]()  # the slot buffer's rows at each request's slots, in order
+    assert len(out) == 256 and all(a.tobytes() == b.tobytes() for a, b in zip(out, expected))
 
 
 def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path, capsys):

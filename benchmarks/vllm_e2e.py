@@ -183,13 +183,15 @@ def instrument(config: str, breakdown: bool = True) -> Timed:
     elif config == "slotroute":
         import slotroute.vllm.runner_v1 as runner_v1
         import slotroute.vllm.worker as worker
+        from slotroute.vllm.routing import SlotRouting
         from slotroute.vllm.scheduler import SchedulerRouting
 
         timed.wrap(SchedulerRouting, "store_batch")
         timed.wrap(SchedulerRouting, "get")
         # What slotroute adds beyond vLLM's two calls: block invalidation bookkeeping.
-        for name in ("on_new_blocks", "seal_step", "before_output", "after_output"):
-            timed.wrap(SchedulerRouting, name, "bookkeeping")
+        timed.wrap(SchedulerRouting, "after_output", "bookkeeping")
+        for name in ("on_new_blocks", "seal_step", "before_output"):
+            timed.wrap(SlotRouting, name, "bookkeeping")
         timed.wrap(worker.WorkerRouting, "capture", "worker capture")
         for name in ("begin_step", "snapshot"):
             timed.wrap(worker.WorkerRouting, name, "worker snapshot")
@@ -326,40 +328,36 @@ def report(results: dict[str, list[dict]], args) -> None:
         print("| " + " | ".join(row) + " |")
 
     print()
-    cost = {c: 1 - best[c] / best["off"] for c in ("vllm", "slotroute")}
-    print(f"throughput cost vs off (best runs): vllm {cost['vllm']:+.1%}, slotroute {cost['slotroute']:+.1%}")
-    sched = {c: per_step_us(c, *SCHEDULER_KEYS) for c in ("vllm", "slotroute")}
-    print(
-        f"routing calls' time per step (store_batch + get, and slotroute's bookkeeping): vllm {sched['vllm']:.1f} us, "
-        f"slotroute {sched['slotroute']:.1f} us (slotroute / vllm {sched['slotroute'] / max(sched['vllm'], 1e-9):.2f})"
-    )
+    routed = [c for c in ("vllm", "slotroute") if c in results]
+    print("throughput cost vs off (best runs): " + ", ".join(f"{c} {1 - best[c] / best['off']:+.1%}" for c in routed))
+    sched = {c: per_step_us(c, *SCHEDULER_KEYS) for c in routed}
+    print("routing calls' time per step (store_batch + get, and slotroute's bookkeeping): "
+          + ", ".join(f"{c} {sched[c]:.1f} us" for c in routed))
+
     def print_over_off(what: str, key: str) -> None:
         us = {c: per_step_us(c, key) for c in results}
-        print(
-            f"{what} per step over off: vllm {us['vllm'] - us['off']:+.1f} us, "
-            f"slotroute {us['slotroute'] - us['off']:+.1f} us (off {us['off']:.1f} us)"
-        )
+        print(f"{what} per step over off: " + ", ".join(f"{c} {us[c] - us['off']:+.1f} us" for c in routed)
+              + f" (off {us['off']:.1f} us)")
 
     print_over_off("scheduler time (schedule + update_from_output)", SCHEDULER_TOTAL)
     if args.executor == "mp":
         print_over_off("engine process unpickling the worker's output", RECEIVE_KEY)
-    work = {c: per_step_us(c, *WORKER_KEYS) for c in ("vllm", "slotroute")}
-    print(
-        f"worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
-        f"vllm {work['vllm']:.1f} us (+ its inline int32 copy), slotroute {work['slotroute']:.1f} us"
-    )
+    work = {c: per_step_us(c, *WORKER_KEYS) for c in routed}
+    print("worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
+          + ", ".join(f"{c} {work[c]:.1f} us" for c in routed) + " (vllm: + its inline int32 copy)")
     print_over_off("sample_tokens (vLLM's inline int32 copy against slotroute's snapshot)", SAMPLE_KEY)
-    shipped = {c: first(c, "routing_bytes_per_step") for c in ("vllm", "slotroute")}
-    with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in ("vllm", "slotroute")}
-    if shipped["vllm"]:  # not with --totals-only, where store_batch is not wrapped
-        print(
-            f"bytes shipped per step, slotroute / vllm: routing_data {shipped['slotroute'] / shipped['vllm']:.3f}, "
-            f"with slot_mapping {with_slots['slotroute'] / with_slots['vllm']:.3f}"
-        )
-    for config in ("vllm", "slotroute"):
-        routed = {r["routed_requests"] for r in results[config]}
-        if routed != {args.requests}:
-            print(f"WARNING: {config} returned routing for {sorted(routed)} of {args.requests} requests")
+    if len(routed) == 2:
+        shipped = {c: first(c, "routing_bytes_per_step") for c in routed}
+        with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in routed}
+        if shipped["vllm"]:  # not with --totals-only, where store_batch is not wrapped
+            print(
+                f"bytes shipped per step, slotroute / vllm: routing_data {shipped['slotroute'] / shipped['vllm']:.3f}, "
+                f"with slot_mapping {with_slots['slotroute'] / with_slots['vllm']:.3f}"
+            )
+    for config in routed:
+        returned = {r["routed_requests"] for r in results[config]}
+        if returned != {args.requests}:
+            print(f"WARNING: {config} returned routing for {sorted(returned)} of {args.requests} requests")
 
 
 def shape_text(shape: str) -> str:
@@ -390,6 +388,10 @@ def main() -> None:
         "--bind-threads", action="store_true",
         help="let vLLM bind one OpenMP thread per core (its default); otherwise one unbound thread",
     )  # fmt: skip
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS),
+        help="comma-separated, off first (vLLM 0.31+ on the CPU: off,slotroute; vLLM refuses its own path there)",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every child's raw result here")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -400,10 +402,13 @@ def main() -> None:
     from slotroute.tools.tiny_model import default_model_dir
 
     default_model_dir(**SHAPES[args.shape])  # written once, before the children race for it
-    results: dict[str, list[dict]] = {c: [] for c in CONFIGS}
+    configs = args.configs.split(",")
+    if configs[0] != "off" or not set(configs) <= set(CONFIGS):
+        parser.error(f"--configs: off first, then some of {', '.join(CONFIGS)}; got {args.configs}")
+    results: dict[str, list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="slotroute-e2e-") as work:
         for round_no in range(1, args.rounds + 1):
-            for config in CONFIGS:
+            for config in configs:
                 results[config].append(run_child(config, args, Path(work), round_no))
     report(results, args)
     if args.json:

@@ -241,57 +241,32 @@ def assert_same_completion(got: Completion, want: Completion) -> None:
 
 
 @dataclass
-class StepReads:
-    """What the checked payload reads of one test saw (:func:`step_reads_checked`)."""
+class ConnectorReads:
+    """The store reads slotroute's connector made for requests' outputs
+    (:func:`connector_reads`): one (request id, first row, rows) per read."""
 
-    from_payload: int = 0
-    rows_from_payload: int = 0
-    mismatches: list = None
+    reads: list
 
 
-@pytest.fixture(autouse=True)
-def step_reads_checked(request, monkeypatch):
-    """On vLLM 0.31+, every read slotroute's connector serves from a step's payload
-    (NOTE 2 of ``ConnectorRouting``) is compared with the store read of the same rows
-    over the request's blocks, the per-request path it replaces; the test fails on any
-    difference. Every end-to-end scenario (prefix hits, chunked prefill, preemption with
-    a step in flight, resumes, aborts, async scheduling) thus checks the batched read
-    against per-request reads. Yields the counts (``None`` where it does not apply)."""
-    if "vllm" not in request.keywords or not connector_generation():
+@pytest.fixture
+def connector_reads(monkeypatch):
+    """On vLLM 0.31+, every read of a request's rows by slotroute's connector, recorded
+    (NOTE 2 of ``ConnectorRouting``: one per request, when it finishes, and one more
+    where it was preempted); ``None`` on 0.28-0.30."""
+    if not connector_generation():
         yield None
         return
-    from slotroute.spec import MissingRoutingError
     from slotroute.vllm.connector import ConnectorRouting
 
-    seen = StepReads(mismatches=[])
+    seen = ConnectorReads(reads=[])
+    original = ConnectorRouting._read_next
 
-    def check(self, req_id, start, end, rows):
-        seen.from_payload += 1
-        seen.rows_from_payload += len(rows)
-        try:
-            expected = self._read_into(req_id, start, end)
-        except MissingRoutingError as error:
-            seen.mismatches.append((req_id, start, end, f"the store read raises: {error}"))
-        else:
-            if not np.array_equal(rows, expected):
-                seen.mismatches.append((req_id, start, end, "rows differ from the store read"))
-
-    original_rows, original_index = ConnectorRouting._rows_of_step, ConnectorRouting._index_step
-
-    def _rows_of_step(self, req_id, start, end):
-        rows = original_rows(self, req_id, start, end)
-        if rows is not None:
-            check(self, req_id, start, end, rows)
+    def _read_next(self, request):
+        start = self._cursors.get(request.request_id)
+        rows = original(self, request)
+        if isinstance(rows, np.ndarray):
+            seen.reads.append((request.request_id, start, len(rows)))
         return rows
 
-    def _index_step(self, *args):
-        step = original_index(self, *args)
-        for req_id, rows in ({} if step is None else step.ready).items():
-            start = self._cursors[req_id]
-            check(self, req_id, start, start + len(rows), rows)
-        return step
-
-    monkeypatch.setattr(ConnectorRouting, "_rows_of_step", _rows_of_step)
-    monkeypatch.setattr(ConnectorRouting, "_index_step", _index_step)
+    monkeypatch.setattr(ConnectorRouting, "_read_next", _read_next)
     yield seen
-    assert not seen.mismatches, f"payload reads that differ from the store read: {seen.mismatches[:5]}"

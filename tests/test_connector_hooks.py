@@ -112,11 +112,12 @@ def test_prefix_cache_hits_inside_a_block_are_refused_as_the_engine_starts_on_ev
     not follow: refused, naming the options, by the scheduler of 0.28-0.30 and 0.31+."""
     from slotroute.store import RoutedExpertsManager
     from slotroute.vllm import connector, scheduler
+    from slotroute.vllm.routing import SlotRouting
 
     def built(self, *args, **kwargs):
         pass
 
-    routing = scheduler.SchedulerRouting(RoutedExpertsManager(RoutingSpec(2, 2, 4), 4, 4), 0)
+    routing = scheduler.SchedulerRouting(SlotRouting(RoutedExpertsManager(RoutingSpec(2, 2, 4), 4, 4), 0))
     words = r"prefix-cache hits inside a KV block with slotroute .*--no-enable-prefix-caching.*--mamba-cache-mode"
     for init in (scheduler._make_scheduler_init(built), connector._make_scheduler_init(built, False)):
         with pytest.raises(ValueError, match=words):
@@ -124,7 +125,7 @@ def test_prefix_cache_hits_inside_a_block_are_refused_as_the_engine_starts_on_ev
     # Without them the 0.28-0.30 wrapper connects its routing to the block pool.
     served = _scheduler(False, routing)
     scheduler._make_scheduler_init(built)(served)
-    assert routing._evict_cached is served.kv_cache_manager.block_pool.evict_blocks
+    assert routing.core._evict_cached is served.kv_cache_manager.block_pool.evict_blocks
 
 
 def test_a_speculative_draft_models_own_config_is_not_checked(verify):
@@ -204,4 +205,4 @@ def test_an_offload_tier_hook_that_fails_logs_and_recomputes_instead_of_stopping
     hits._hit_starts["r"] = 0
     hits.loading(broken, 16)
     assert "the offload tier's cap failed" in caplog.text and "the offload tier's loading failed" in caplog.text
-    assert not routing._pending  # nothing queued for the load
+    assert not routing.core._pending  # nothing queued for the load

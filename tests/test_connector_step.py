@@ -1,8 +1,8 @@
-"""The scheduler's one read per step on vLLM 0.31+ (NOTE 2 of ``ConnectorRouting``),
-without an engine: the connector over slotroute's real store, vLLM's blocks and
-scheduler output entering as plain objects with the attributes it reads. The
-end-to-end suites check every payload read against the store read in a real engine
-(``step_reads_checked`` in conftest.py)."""
+"""The scheduler's reads on vLLM 0.31+ (NOTE 2 of ``ConnectorRouting``: one read per
+request, when it finishes), without an engine: the connector over slotroute's real
+store and routing core, vLLM's blocks, coordinator and requests entering as plain
+objects with the attributes it reads. The end-to-end suites check the same rows in a
+real engine against runs without prefix caching, one request at a time."""
 
 from __future__ import annotations
 
@@ -11,124 +11,118 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import slotroute.vllm.connector as connector_module
-from slotroute.spec import RoutingSpec
+from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.tools.bench import make_scheduler_read_workload
-from slotroute.vllm.connector import token_slots
 
 SPEC = RoutingSpec(num_layers=3, top_k=2, num_experts=16)
 BLOCK = 16
 
 
-@pytest.fixture(params=["C", "python"])
-def slots_path(request, monkeypatch):
-    if request.param == "python":
-        monkeypatch.setattr(connector_module, "_native", None)
-    else:
-        # The install the tests run on builds slotroute._native.
-        assert connector_module._native is not None
-    return request.param
+class Request:
+    """The part of vLLM's ``Request`` the connector reads."""
+
+    def __init__(self, request_id: str, num_tokens: int, num_prompt_tokens: int, finished: bool = False) -> None:
+        self.request_id, self.num_tokens, self.num_prompt_tokens = request_id, num_tokens, num_prompt_tokens
+        self.num_output_tokens = num_tokens - num_prompt_tokens
+        self.sampling_params = SimpleNamespace(routed_experts_prompt_start=0)
+        self.finished = finished
+
+    def is_finished(self) -> bool:
+        return self.finished
 
 
-def random_blocks(rng, requests: int):
-    req_ids = [f"r{i}" for i in range(requests)]
-    req_blocks = {r: [SimpleNamespace(block_id=int(b)) for b in rng.permutation(1000)[: rng.integers(0, 6)]]
-                  for r in req_ids[:-1]}  # the last request holds no blocks
-    return req_ids, req_blocks
+@pytest.fixture
+def workload():
+    w = make_scheduler_read_workload(SPEC, requests=8, block_size=BLOCK)
+    req_to_blocks = w.routing._req_blocks
+    # What vLLM's KVCacheCoordinator.get_blocks returns: one block list per group.
+    w.routing._coordinator.get_blocks = lambda req_id: (req_to_blocks.get(req_id, []),)
+    w.routing._cursors.update(dict.fromkeys(w.req_ids, 0))  # as build_connector_meta set them at their first step
+    return w
 
 
-def test_token_slots_is_the_slot_of_each_requests_token_or_minus_one(slots_path):
-    rng = np.random.default_rng(0)
-    req_ids, req_blocks = random_blocks(rng, 64)
-    positions = rng.integers(-1, 6 * BLOCK, len(req_ids))
-    got = token_slots(req_ids, positions, req_blocks, BLOCK)
-    for req_id, position, slot in zip(req_ids, positions.tolist(), got.tolist()):
-        blocks = req_blocks.get(req_id, [])
-        if position < 0 or position // BLOCK >= len(blocks):
-            assert slot == -1
-        else:
-            assert slot == blocks[position // BLOCK].block_id * BLOCK + position % BLOCK
+def stored(w, i: int, start: int, end: int) -> np.ndarray:
+    """Request ``i``'s rows ``start .. end - 1`` as the slot buffer holds them."""
+    return w.routing.store.routed_experts_by_slot[w.slots[i][start:end]]
 
 
-def test_token_slots_in_c_equals_its_python_reference(monkeypatch):
-    rng = np.random.default_rng(1)
-    for _ in range(20):
-        req_ids, req_blocks = random_blocks(rng, int(rng.integers(1, 40)))
-        positions = rng.integers(-2, 7 * BLOCK, len(req_ids))
-        in_c = token_slots(req_ids, positions, req_blocks, BLOCK)
-        monkeypatch.setattr(connector_module, "_native", None)
-        in_python = token_slots(req_ids, positions, req_blocks, BLOCK)
-        monkeypatch.undo()
-        np.testing.assert_array_equal(in_c, in_python)
+def request(w, i: int, finished: bool = False, prompt: int = 10) -> Request:
+    """Request ``i`` after its step: every token up to its position forwarded, one sampled."""
+    return Request(w.req_ids[i], w.positions[i] + 2, prompt, finished)
 
 
-@pytest.mark.parametrize(
-    "req_blocks, message",
-    [
-        ({"a": (SimpleNamespace(block_id=1),)}, "req_blocks values must be lists"),
-        ({"a": [SimpleNamespace(id=1)]}, "block_id"),
-        ({"a": [SimpleNamespace(block_id=-3)]}, "block_id is negative"),
-        ({"a": [SimpleNamespace(block_id="1")]}, "integer"),
-    ],
-)
-def test_token_slots_in_c_raises_on_blocks_that_are_not_vllms(req_blocks, message):
-    with pytest.raises((TypeError, ValueError, AttributeError), match=message):
-        connector_module._native.token_slots(np.empty(1, np.int64), ["a"], np.zeros(1, np.int64), req_blocks, BLOCK)
+def test_a_running_request_gets_no_rows_and_no_read_is_made(workload, monkeypatch):
+    routing = workload.routing
+    monkeypatch.setattr(routing.store, "get", lambda *args: pytest.fail("a running request's output read the store"))
+    assert [routing.take_output(request(workload, i), None) for i in range(8)] == [None] * 8
+    assert set(routing._cursors.values()) == {0}
 
 
-@pytest.mark.parametrize("out, positions", [(np.empty(2, np.int64), np.zeros(1, np.int64)),
-                                            (np.empty(1, np.int32), np.zeros(1, np.int64)),
-                                            (np.empty(1, np.int64), np.zeros(1, np.float64))])
-def test_token_slots_in_c_raises_on_arrays_of_another_dtype_or_length(out, positions):
-    with pytest.raises(ValueError, match="int64 with one item per request id"):
-        connector_module._native.token_slots(out, ["a"], positions, {}, BLOCK)
+def test_a_finished_request_gets_every_row_from_its_cursor_in_one_read_and_then_none(workload):
+    routing = workload.routing
+    routing._cursors[workload.req_ids[2]] = 5  # routed_experts_prompt_start, or rows already returned
+    done = request(workload, 2, finished=True)
+    rows = routing.take_output(done, None)
+    np.testing.assert_array_equal(rows, stored(workload, 2, 5, workload.positions[2] + 1))
+    assert rows.base is None or rows.base is not routing.store.routed_experts_by_slot  # a copy
+    assert routing._cursors[done.request_id] == workload.positions[2] + 1
+    assert routing.take_output(done, None) is None
 
 
-def take_step(workload, req_ids=None):
-    """The step stored, indexed as ``take_step`` does, then one ``take_output`` per
-    request as vLLM's ``update_from_output`` makes them."""
+def test_a_preempted_request_keeps_the_rows_it_emitted_before_its_blocks_are_freed(workload):
+    """Rows read at preemption come first in the request's next rows, even though its
+    blocks were handed out again (and their slots rewritten) before it finished."""
     w = workload
     routing = w.routing
-    routing._cursors.update(zip(w.req_ids, w.positions))
-    routing._step_rows = routing._index_step(w.step, w.payload, w.req_ids if req_ids is None else req_ids, {})
-    requests = [SimpleNamespace(request_id=r, num_tokens=p + 2) for r, p in zip(w.req_ids, w.positions)]
-    return [routing.take_output(request, None) for request in requests]
+    i, j = np.argsort(w.positions)[[0, -1]]  # i resumes in j's blocks, which hold more tokens
+    req_id = w.req_ids[i]
+    before = stored(w, i, 0, w.positions[i] + 1)
+    routing.request_finished(request(w, i))  # preempted: not finished
+    assert routing._parked[req_id] == [block.block_id for block in routing._req_blocks[req_id]]
+    # vLLM frees its blocks; another request rewrites them; it resumes in new blocks.
+    routing.store.invalidate_blocks(np.unique(w.slots[i] // BLOCK))
+    routing._req_blocks[req_id] = routing._req_blocks.pop(w.req_ids[j])
+    del routing._parked[req_id]  # dropped at its next schedule (build_connector_meta)
+    end = w.positions[j] + 1
+    rows = routing.take_output(Request(req_id, end + 1, 10, finished=True), None)
+    np.testing.assert_array_equal(rows[: len(before)], before)
+    np.testing.assert_array_equal(rows[len(before):], stored(w, j, len(before), end))
+    assert len(rows) == end
 
 
-def store_reads(workload):
-    return [workload.routing._read_into(r, p, p + 1) for r, p in zip(workload.req_ids, workload.positions)]
-
-
-def test_a_decode_step_hands_each_request_its_row_from_the_payload_with_no_store_read(slots_path, monkeypatch):
-    w = make_scheduler_read_workload(SPEC, requests=32, block_size=BLOCK)
-    expected = store_reads(w)
-    monkeypatch.setattr(w.routing, "_read", lambda *args: pytest.fail("a decode step read the store"))
-    got = take_step(w)
-    for rows, want, position, req_id in zip(got, expected, w.positions, w.req_ids):
-        np.testing.assert_array_equal(rows, want)
-        assert rows.base is None or rows.base is not w.payload.routing_data  # a copy, not a view of the step
-        assert w.routing._cursors[req_id] == position + 1
-
-
-def test_rows_in_an_order_other_than_req_ids_are_never_handed_out_from_the_payload(slots_path):
-    """The worker's token order is checked per request against its KV slot: a payload
-    laid out in another order sends every request to the store, which holds its rows
-    by slot."""
-    w = make_scheduler_read_workload(SPEC, requests=16, block_size=BLOCK)
-    expected = store_reads(w)
-    got = take_step(w, req_ids=w.req_ids[::-1])
-    assert not w.routing._step_rows.ready
-    for rows, want in zip(got, expected):
-        np.testing.assert_array_equal(rows, want)
-
-
-def test_a_request_whose_cursor_is_behind_its_token_is_not_ready(slots_path):
-    """A request whose output starts before this step's token (a catch-up) is not
-    served the one row of the payload: it gets every row from its cursor on."""
-    w = make_scheduler_read_workload(SPEC, requests=8, block_size=BLOCK)
+def test_the_output_of_a_step_in_flight_at_preemption_is_read_from_the_parked_blocks(workload):
+    w = workload
     routing = w.routing
-    routing._cursors.update(zip(w.req_ids, w.positions))
-    lagging = w.req_ids[3]
-    routing._cursors[lagging] -= 2
-    routing._step_rows = routing._index_step(w.step, w.payload, w.req_ids, {})
-    assert lagging not in routing._step_rows.ready and len(routing._step_rows.ready) == 7
+    req_id = w.req_ids[1]
+    routing.request_finished(Request(req_id, w.positions[1], 10))  # preempted with one step in flight
+    routing._req_blocks.pop(req_id)  # vLLM freed its blocks
+    rows = routing.take_output(request(w, 1), None)  # that step's output: one more row, from the parked blocks
+    np.testing.assert_array_equal(rows, stored(w, 1, 0, w.positions[1] + 1))
+
+
+def test_a_request_preempted_in_its_prompt_saves_nothing(workload, monkeypatch):
+    routing = workload.routing
+    monkeypatch.setattr(routing.store, "get", lambda *args: pytest.fail("a prompt's rows were read at preemption"))
+    prefilling = Request(workload.req_ids[0], 300, 300)
+    routing.request_finished(prefilling)
+    assert workload.req_ids[0] not in routing._saved
+
+
+def test_rows_lost_before_a_preemption_read_fail_the_request_when_it_finishes(workload):
+    w = workload
+    routing = w.routing
+    routing.store.invalidate_blocks(np.unique(w.slots[5] // BLOCK))
+    routing.request_finished(request(w, 5))
+    assert isinstance(routing._saved[w.req_ids[5]], MissingRoutingError)
+    marker = routing.take_output(request(w, 5, finished=True), None)
+    assert marker.shape[0] == 0 and [m is marker for m, _ in routing.core._missing] == [True]
+
+
+def test_a_finished_request_is_forgotten(workload):
+    routing = workload.routing
+    running = request(workload, 6)
+    routing.request_finished(running)
+    assert routing._saved and routing._parked
+    running.finished = True
+    routing.request_finished(running)
+    assert not routing._saved and not routing._parked and running.request_id not in routing._cursors

@@ -144,7 +144,7 @@ def watch_scheduling(log: StepLog, llm) -> None:
     log.watch(scheduler, "finish_requests", "abort", aborted, before=True)
     log.watch(scheduler.kv_cache_manager.block_pool, "get_new_blocks", "handout",
               lambda args, blocks: frozenset(block.block_id for block in blocks) or None)
-    log.watch(routing_of(scheduler), "store_batch", "store",
+    log.watch(routing_of(scheduler).store, "store_batch", "store",
               lambda args, out: frozenset((args[1][args[1] >= 0] // BLOCK_SIZE).tolist()))
 
 
@@ -189,7 +189,7 @@ def hit_while_in_flight(log: StepLog, name: str) -> set[str]:
 
 def blocks_reassigned_while_in_flight(log: StepLog) -> set[int]:
     """Blocks handed out to new data after a step writing them was scheduled and
-    before that step's routing was stored: the race NOTE 1 of ``SchedulerRouting``
+    before that step's routing was stored: the race NOTE 1 of ``SlotRouting``
     orders. Steps are matched to their stores in order (outputs arrive in order)."""
     scheduled: list[int] = []  # event index of each non-empty schedule(), in order
     stores: list[tuple[int, frozenset]] = []
@@ -292,7 +292,7 @@ def test_requests_preempted_with_a_step_in_flight_return_the_reference_routing(a
 
 
 def test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_own_prompt(async_llm, reference):
-    """NOTE 1 of ``SchedulerRouting``, point 2 of docs/vllm.md. a (260 tokens) and b
+    """NOTE 1 of ``SlotRouting``, point 2 of docs/vllm.md. a (260 tokens) and b
     (262) hold 9 blocks each and need a tenth in the same step. c (130) arrives just
     before: its prefill takes 126 tokens, then 4 in the step before that one, and its
     5 blocks fill the pool. That schedule() preempts c, whose last chunk is in flight,

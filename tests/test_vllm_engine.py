@@ -99,7 +99,7 @@ def test_dense_layer_rows_hold_zero_and_moe_rows_hold_distinct_experts(llm):
 
 def test_worker_ships_routing_in_the_storage_dtype(llm):
     routing = routing_of(scheduler_of(llm))
-    with Spy(routing, "store_batch") as spy:
+    with Spy(routing.store, "store_batch") as spy:
         (got,) = generate(llm, [prompt_tokens(3, 40)], greedy(3))
     assert spy.calls, "no step reached store_batch"
     assert {data.dtype for data, _ in spy.calls} == {np.dtype(np.uint8)}
@@ -428,7 +428,7 @@ def test_step_whose_routing_fails_its_check_fails_its_requests_alone(llm, refere
     generation: vLLM 0.28-0.30 get the report in their own ``RoutedExpertsLists``)."""
     llm.reset_prefix_cache()
     prompt = prompt_tokens(63, 70)
-    with one_bad_expert_id(llm), Spy(routing_of(scheduler_of(llm)), "fail_step") as failures, \
+    with one_bad_expert_id(llm), Spy(routing_of(scheduler_of(llm)).core, "fail_step") as failures, \
             LogLines("vllm.slotroute") as log:
         (failed,) = generate(llm, [prompt], greedy(4))
     assert failed.finish_reason == "error"
@@ -469,30 +469,21 @@ def test_prefix_cache_hit_is_served_from_the_slots_it_hit(llm, reference):
     assert_same_completion(again, reference(prompt, 3))
 
 
-@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="the step-payload read is the 0.31+ connector's")
-def test_rows_of_a_step_are_read_from_its_payload_and_catch_up_rows_in_one_pass(llm, reference, step_reads_checked):
-    """Every row a request emits in a step comes from the step's payload, checked
-    against the store read of the same rows (the autouse ``step_reads_checked``); the
-    store is read only for catch-up rows (prefix-cache hits, earlier prefill chunks),
-    once per request, in one pass per step before vLLM reads any request's rows, and
-    no request falls back to a read of its own."""
-    routing = routing_of(scheduler_of(llm))
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="the read at finish is the 0.31+ connector's")
+def test_a_requests_rows_are_read_once_when_it_finishes(llm, reference, connector_reads):
+    """No store read while requests run: each request's rows, prompt (prefix-cache hits
+    and earlier prefill chunks included) and generated, come in one read when it
+    finishes, and equal a lone run's without prefix caching."""
     llm.reset_prefix_cache()
-    prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]  # one step: no chunk
-    caught_up = lambda args, result: bool(result)  # noqa: E731
-    with Spy(routing, "_read") as fallbacks, Spy(routing, "_catch_up", caught_up) as passes:
-        first = generate(llm, prompts, greedy(9))
-    assert not fallbacks.calls and not passes.calls
-    # Per request: the prompt's rows at the end of prefill, then one row per decode step.
-    assert step_reads_checked.from_payload == 3 * 9
-    assert step_reads_checked.rows_from_payload == sum(len(p) + 8 for p in prompts)
-    long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked: its last chunk catches up
-    with Spy(routing, "_read") as fallbacks, Spy(routing, "_catch_up", caught_up) as passes:
-        again = generate(llm, prompts + [long_prompt], greedy(9))
+    prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]
+    first = generate(llm, prompts, greedy(9))
+    assert sorted(n for _, _, n in connector_reads.reads) == sorted(len(p) + 8 for p in prompts)
+    connector_reads.reads.clear()
+    long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked prefill
+    again = generate(llm, prompts + [long_prompt], greedy(9))
     assert [c.num_cached_tokens for c in again[:3]] == [BLOCK_SIZE] * 3
-    assert not fallbacks.calls
-    # One pass for the three prefix hits (scheduled together), one for the last chunk.
-    assert [len(result) for _, result in passes.results] == [3, 1]
+    assert sorted(n for _, _, n in connector_reads.reads) == sorted(len(p) + 8 for p in prompts + [long_prompt])
+    assert {start for _, start, _ in connector_reads.reads} == {0}
     for got, was, prompt in zip(again, first + [None], prompts + [long_prompt]):
         assert_same_completion(got, reference(prompt, 9))
         if was is not None:

@@ -29,12 +29,13 @@ def pool_and_routing():
 
     from slotroute.vllm.patches import apply
     from slotroute.vllm.blocks import watch
-    from slotroute.vllm.scheduler import SchedulerRouting, scheduler_patches
+    from slotroute.vllm.routing import SlotRouting
+    from slotroute.vllm.scheduler import scheduler_patches
 
     # The block pool's hook, as register() installs it on every generation; idempotent.
     apply([patch for patch in scheduler_patches() if patch.qualname == "BlockPool.get_new_blocks"])
     pool = BlockPool(num_gpu_blocks=6, enable_caching=True, hash_block_size=BLOCK)
-    routing = SchedulerRouting(RoutedExpertsManager(SPEC, num_blocks=6, block_size=BLOCK), attn_gid=0)
+    routing = SlotRouting(RoutedExpertsManager(SPEC, num_blocks=6, block_size=BLOCK), attn_gid=0)
     watch(pool, routing.on_new_blocks)
     return pool, routing
 
@@ -59,8 +60,8 @@ def stored_then_freed(routing, pool, value: int) -> int:
     """A block that one step filled with ``value`` and whose request then freed it."""
     step, (block,) = schedule(routing, pool, 1)
     routing.before_output(step)
-    routing.store_batch(rows(value), slots_of(block))
-    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(value))
+    routing.store.store_batch(rows(value), slots_of(block))
+    np.testing.assert_array_equal(routing.read([block], BLOCK), rows(value))
     pool.free_blocks([pool.blocks[block]])
     return block
 
@@ -85,11 +86,11 @@ def test_an_output_in_flight_still_serves_the_previous_owner(pool_and_routing):
     step2, (reused,) = schedule(routing, pool, 1)
     assert reused == block
     routing.before_output(step1)
-    routing.store_batch(rows(5), slots_of(block))  # A's routing from step 1
-    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(5))
+    routing.store.store_batch(rows(5), slots_of(block))  # A's routing from step 1
+    np.testing.assert_array_equal(routing.read([block], BLOCK), rows(5))
     routing.before_output(step2)
-    routing.store_batch(rows(6, 2), slots_of(block, 2))  # B writes half the block
-    np.testing.assert_array_equal(routing.get([block], 2), rows(6, 2))
+    routing.store.store_batch(rows(6, 2), slots_of(block, 2))  # B writes half the block
+    np.testing.assert_array_equal(routing.read([block], 2), rows(6, 2))
     with pytest.raises(MissingRoutingError):
         routing.store.get([block], BLOCK)
 
@@ -101,7 +102,7 @@ def test_a_prefix_cache_hit_keeps_the_routing_of_its_blocks(pool_and_routing):
     step2 = SimpleNamespace()
     routing.seal_step(step2)
     routing.before_output(step2)
-    np.testing.assert_array_equal(routing.get([block], BLOCK), rows(7))
+    np.testing.assert_array_equal(routing.read([block], BLOCK), rows(7))
 
 
 def test_an_untagged_output_applies_every_pending_invalidation(pool_and_routing):
@@ -117,7 +118,7 @@ def test_a_missing_read_returns_an_empty_marker_and_records_the_error(pool_and_r
     pool, routing = pool_and_routing
     step, (block,) = schedule(routing, pool, 1)
     routing.before_output(step)
-    marker = routing.get([block], BLOCK)
+    marker = routing.read([block], BLOCK)
     assert marker.shape == (0, *SPEC.token_shape)
     assert [m is marker for m, _ in routing._missing] == [True]
     assert isinstance(routing._missing[0][1], MissingRoutingError)

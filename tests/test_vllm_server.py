@@ -29,8 +29,7 @@ CONNECTOR_GENERATION = connector_generation()
 
 # A request of this many prompt tokens loses its routing in the server: a fault the
 # test injects, at startup of every server process (``sitecustomize``), by invalidating
-# the request's blocks just before slotroute reads its rows and dropping the step's
-# payload, so that its rows are read from the store (vLLM 0.31+).
+# the request's blocks just before slotroute reads its rows (vLLM 0.31+).
 LOSE_ROUTING_PROMPT_LEN = 137
 LOSE_ROUTING = f"""
 def _lose_routing_of_one_prompt_length():
@@ -42,7 +41,6 @@ def _lose_routing_of_one_prompt_length():
         if request.num_prompt_tokens == {LOSE_ROUTING_PROMPT_LEN}:
             blocks = self._coordinator.get_blocks(request.request_id)[self.attn_gid]
             self.store.invalidate_blocks([block.block_id for block in blocks])
-            self._step_rows = None
         return take_output(self, request, output)
 
     ConnectorRouting.take_output = losing_take_output

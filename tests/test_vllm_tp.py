@@ -45,9 +45,9 @@ def main():
     core = llm.llm_engine.engine_core.engine_core
     scheduler = core.scheduler
     # slotroute's routing where vLLM keeps its own: the manager (0.28-0.30), the connector (0.31+)
-    routing = getattr(scheduler, "routed_experts_mgr", None) or scheduler.aux_output_connector
-    shipped, store_batch = set(), routing.store_batch
-    routing.store_batch = lambda data, slots: (shipped.add(str(data.dtype)), store_batch(data, slots))
+    store = (getattr(scheduler, "routed_experts_mgr", None) or scheduler.aux_output_connector).store
+    shipped, store_batch = set(), store.store_batch
+    store.store_batch = lambda data, slots: (shipped.add(str(data.dtype)), store_batch(data, slots))
     # Steps scheduled but whose output was not yet processed, at each schedule().
     events, schedule, update = [], scheduler.schedule, scheduler.update_from_output
 

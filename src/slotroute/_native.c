@@ -1,5 +1,5 @@
 /* The hot loops of slotroute.store, each in one pass of C, the CPU capturer's
- * snapshot (narrow_step) and the scheduler's slot lookup (token_slots).
+ * snapshot (narrow_step).
  *
  * store_rows: check a step's slots and expert ids, then copy its rows into the slot
  * buffer and stamp their slots (store.py, NOTE 1), in row order, so that a repeated
@@ -11,11 +11,6 @@
  * every slot was written since its block was last invalidated (by one flag for a
  * block store_rows saw completed, else by its slots' stamps); the next blocks'
  * heads are prefetched while one is copied.
- *
- * token_slots: the KV slot of one token per request, read from vLLM's block lists,
- * for the scheduler's check of a step's payload (connector.py, NOTE 2 of
- * ConnectorRouting): Python objects in, one int64 array out, no per-request
- * interpreter work.
  *
  * store_rows and gather_blocks check what depends on the values (slot and block ranges, expert ids, written
  * state) and return a status instead of raising: store.py builds the error message
@@ -593,95 +588,10 @@ static PyObject *narrow_step(PyObject *self, PyObject *const *args, Py_ssize_t n
     return PyLong_FromSsize_t(result);
 }
 
-PyDoc_STRVAR(token_slots_doc,
-"token_slots(out, req_ids, positions, req_blocks, block_size) -> None\n\n"
-"The KV slot of one token per request, for the scheduler's check of a step's\n"
-"payload: out[i] = block_id * block_size + positions[i] % block_size, where\n"
-"block_id is that of req_blocks[req_ids[i]][positions[i] // block_size], or -1\n"
-"where the request has no block there. out and positions are C-contiguous int64\n"
-"with one item per request id (req_ids a list); req_blocks maps a request id to\n"
-"a list of objects with an int block_id. Raises TypeError or ValueError (out\n"
-"partly written) where an argument is not that.");
-
-/* The block_id of req_blocks[req_id][index], or -1 where there is none; -2 with an
- * exception set where an object is not what token_slots documents. */
-static long long block_id_at(PyObject *req_blocks, PyObject *req_id, long long index, PyObject *name)
-{
-    PyObject *blocks = PyDict_GetItemWithError(req_blocks, req_id); /* borrowed */
-    if (blocks == NULL)
-        return PyErr_Occurred() ? -2 : -1;
-    if (!PyList_Check(blocks)) {
-        PyErr_SetString(PyExc_TypeError, "token_slots: req_blocks values must be lists");
-        return -2;
-    }
-    if (index >= PyList_GET_SIZE(blocks))
-        return -1;
-    PyObject *id = PyObject_GetAttr(PyList_GET_ITEM(blocks, index), name);
-    if (id == NULL)
-        return -2;
-    const long long value = PyLong_AsLongLong(id);
-    Py_DECREF(id);
-    if (value == -1 && PyErr_Occurred())
-        return -2;
-    if (value < 0) {
-        PyErr_SetString(PyExc_ValueError, "token_slots: a block_id is negative");
-        return -2;
-    }
-    return value;
-}
-
-static PyObject *token_slots(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs != 5 || !PyList_Check(args[1]) || !PyDict_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "token_slots takes (out, req_ids: list, positions, req_blocks: dict, block_size)");
-        return NULL;
-    }
-    const long long block_size = PyLong_AsLongLong(args[4]);
-    if (block_size == -1 && PyErr_Occurred())
-        return NULL;
-    if (block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "token_slots: block_size must be positive");
-        return NULL;
-    }
-    static PyObject *name = NULL;
-    if (name == NULL && (name = PyUnicode_InternFromString("block_id")) == NULL)
-        return NULL;
-    Py_buffer out, positions;
-    if (PyObject_GetBuffer(args[0], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(args[2], &positions, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        PyBuffer_Release(&out);
-        return NULL;
-    }
-    const Py_ssize_t n = PyList_GET_SIZE(args[1]);
-    int failed = 0;
-    if (id_size(out.format) != -8 || id_size(positions.format) != -8 || out.len != 8 * n || positions.len != 8 * n) {
-        PyErr_SetString(PyExc_ValueError, "token_slots: out and positions must be int64 with one item per request id");
-        failed = 1;
-    }
-    int64_t *slots = out.buf;
-    const int64_t *pos = positions.buf;
-    for (Py_ssize_t i = 0; !failed && i < n; i++) {
-        if (pos[i] < 0) {
-            slots[i] = -1;
-            continue;
-        }
-        const long long id = block_id_at(args[3], PyList_GET_ITEM(args[1], i), pos[i] / block_size, name);
-        failed = id == -2;
-        slots[i] = id < 0 ? -1 : id * block_size + pos[i] % block_size;
-    }
-    PyBuffer_Release(&positions);
-    PyBuffer_Release(&out);
-    if (failed)
-        return NULL;
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef methods[] = {
     {"store_rows", (PyCFunction)(void (*)(void))store_rows, METH_FASTCALL, store_rows_doc},
     {"narrow_step", (PyCFunction)(void (*)(void))narrow_step, METH_FASTCALL, narrow_step_doc},
     {"gather_blocks", (PyCFunction)(void (*)(void))gather_blocks, METH_FASTCALL, gather_blocks_doc},
-    {"token_slots", (PyCFunction)(void (*)(void))token_slots, METH_FASTCALL, token_slots_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,11 +18,12 @@ Workloads (block_size 16):
   twice the last-level cache where that is larger).
 - one-token store: a decode step of a single request.
 - encode + decode of an 8192-token step in the storage dtype.
-- scheduler read: one decode step's reads of the scheduler on vLLM 0.31+ for 256
-  running requests (8 to 64 blocks each, shuffled over the pool): the rows each
-  request emits, read from the step's payload (``ConnectorRouting``'s path, NOTE 2
-  there) and, for reference, one store read per request (the path it replaced) and one
-  numpy fancy index of the same rows.
+- scheduler reads: the scheduler's reads on vLLM 0.31+ for 256 running requests (4 to
+  32 blocks each, shuffled over the pool), as ``ConnectorRouting`` makes them (NOTE 2
+  there): one decode step's (a status check per request, the read deferred) against
+  one store read of each request's new row and one numpy fancy index of the same rows;
+  and every request's whole rows read when it finishes, against a fancy index of the
+  same rows.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ __all__ = [
     "add_arguments",
     "make_get_workload",
     "make_scheduler_read_workload",
+    "scheduler_finish_cases",
+    "scheduler_read_cases",
     "make_store_workload",
     "run",
     "warm_up",
@@ -181,79 +184,108 @@ def filled(store, workload: GetWorkload, seed: int = 0):
     return store
 
 
+class _Request:
+    """The part of vLLM's ``Request`` the scheduler connector reads."""
+
+    __slots__ = ("request_id", "num_tokens", "finished")
+
+    def __init__(self, request_id: str, num_tokens: int, finished: bool) -> None:
+        self.request_id, self.num_tokens, self.finished = request_id, num_tokens, finished
+
+    def is_finished(self) -> bool:
+        return self.finished
+
+
 @dataclass
 class SchedulerReadWorkload:
-    """One decode step of ``requests`` running requests, stored in a connector's store:
-    each request's id, block list and position of its token in this step."""
+    """``requests`` running requests in a connector's store, every row up to each
+    one's token of this step stored: each request's id, the slots of its tokens in
+    order, and the position of its token in this step."""
 
     spec: RoutingSpec
     routing: object  # slotroute.vllm.connector.ConnectorRouting
-    step: object  # stand-ins of vLLM's SchedulerOutput and of the step's payload
-    payload: RoutedExpertsLists
     req_ids: list[str]
+    slots: list[np.ndarray]
     positions: list[int]
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows a decode step emits: one per request."""
         return len(self.req_ids) * self.spec.bytes_per_token
+
+    @property
+    def finish_nbytes(self) -> int:
+        """Bytes of every request's rows, as they are read when it finishes."""
+        return sum(self.positions) * self.spec.bytes_per_token
 
 
 def make_scheduler_read_workload(
     spec: RoutingSpec, requests: int = 256, block_size: int = BLOCK_SIZE, seed: int = 0
 ) -> SchedulerReadWorkload:
-    """A ``ConnectorRouting`` over a store whose requests each hold 8 to 64 shuffled
-    blocks, with one decode step of all of them stored. vLLM's KV blocks, its
-    coordinator and scheduler output enter as plain objects with the attributes the
-    connector reads (``block_id``, ``req_to_blocks``, ``num_scheduled_tokens``...)."""
+    """A ``ConnectorRouting`` over a store whose requests each hold 4 to 32 shuffled
+    blocks, the rows of all their tokens stored. vLLM's KV blocks and its coordinator
+    enter as plain objects with the attributes the connector reads (``block_id``,
+    ``req_to_blocks``)."""
     from types import SimpleNamespace
 
     from slotroute.vllm.connector import ConnectorRouting
+    from slotroute.vllm.routing import SlotRouting
 
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(8, 65, requests)
+    lengths = rng.integers(4, 33, requests)
     blocks = np.split(rng.permutation(int(lengths.sum())), np.cumsum(lengths)[:-1])
     req_ids = [f"{i}-{rng.integers(1 << 30):08x}" for i in range(requests)]
     positions = [int(n * block_size - 1 - rng.integers(block_size)) for n in lengths]
     req_to_blocks = {r: [SimpleNamespace(block_id=int(b)) for b in bl] for r, bl in zip(req_ids, blocks)}
     coordinator = SimpleNamespace(single_type_managers=[SimpleNamespace(req_to_blocks=req_to_blocks)])
     store = RoutedExpertsManager(spec, int(lengths.sum()), block_size)
-    routing = ConnectorRouting(store, 0, coordinator)
-    slots = np.array([bl[p // block_size] * block_size + p % block_size for bl, p in zip(blocks, positions)])
-    payload = RoutedExpertsLists(routing_data=_routing(spec, requests, rng), slot_mapping=slots.astype(np.int64))
-    store.store_batch(payload.routing_data, payload.slot_mapping)
-    step = SimpleNamespace(
-        num_scheduled_tokens=dict.fromkeys(req_ids, 1), total_num_scheduled_tokens=requests, scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=req_ids, num_computed_tokens=positions, resumed_req_ids=set()),
-    )
-    return SchedulerReadWorkload(spec, routing, step, payload, req_ids, positions)
+    routing = ConnectorRouting(SlotRouting(store, 0), coordinator)
+    offsets = np.arange(block_size)
+    slots = [(bl[:, None] * block_size + offsets).reshape(-1)[: p + 1] for bl, p in zip(blocks, positions)]
+    every = np.concatenate(slots)
+    store.store_batch(_routing(spec, len(every), rng), every)
+    return SchedulerReadWorkload(spec, routing, req_ids, slots, positions)
 
 
 def scheduler_read_cases(workload: SchedulerReadWorkload) -> dict[str, Callable[[], object]]:
-    """One step's reads for every request, as vLLM's ``update_from_output`` makes
-    them: from the step's payload (the index built once, each request's row checked
-    and copied there, then one ``take_output`` per request), one store read per
-    request, and one fancy index of the same rows of the payload (the rows in another
-    order)."""
-    from types import SimpleNamespace
-
+    """One decode step's reads on vLLM 0.31+ for every request, as vLLM's
+    ``update_from_output`` asks for them (one ``take_output`` per request, none
+    finished: NOTE 2 of ``ConnectorRouting`` defers its read), against one store read
+    of each request's new row (the per-request path) and one fancy index of the same
+    rows of the slot buffer (the rows in another order)."""
     w = workload
-    routing, order = w.routing, np.random.default_rng(1).permutation(len(w.req_ids))
-    pairs = list(zip(w.req_ids, w.positions))
-    # vLLM's Request after the step: its token of the step and the one sampled there.
-    requests = [SimpleNamespace(request_id=req_id, num_tokens=p + 2) for req_id, p in pairs]
-
-    def from_payload():
-        routing._cursors.update(pairs)
-        routing._step_rows = routing._index_step(w.step, w.payload, w.req_ids, {})
-        return [routing.take_output(request, None) for request in requests]
+    routing = w.routing
+    running = [_Request(r, p + 2, False) for r, p in zip(w.req_ids, w.positions)]
+    last = np.array([s[-1] for s in w.slots])[np.random.default_rng(1).permutation(len(w.req_ids))]
+    pool = routing.store.routed_experts_by_slot
 
     def per_request():
-        return [routing._read(req_id, p, p + 1) for req_id, p in pairs]
+        return [routing._read_into(req_id, p, p + 1) for req_id, p in zip(w.req_ids, w.positions)]
 
     return {
-        "memcpy": lambda: w.payload.routing_data[order],
+        "memcpy": lambda: pool[last],
         "baseline": per_request,
-        "ours": from_payload,
+        "ours": lambda: [routing.take_output(request, None) for request in running],
+    }
+
+
+def scheduler_finish_cases(workload: SchedulerReadWorkload) -> dict[str, Callable[[], object]]:
+    """Every request finishing: its ``take_output`` reads all its rows, one store read
+    over its blocks (NOTE 2 of ``ConnectorRouting``), against one fancy index of the
+    same rows of the slot buffer, request by request."""
+    w = workload
+    routing = w.routing
+    finished = [_Request(r, p + 2, True) for r, p in zip(w.req_ids, w.positions)]
+    starts = dict.fromkeys(w.req_ids, 0)
+    pool = routing.store.routed_experts_by_slot
+
+    def ours():
+        routing._cursors.update(starts)
+        return [routing.take_output(request, None) for request in finished]
+
+    return {
+        "memcpy": lambda: [pool[slots] for slots in w.slots],
+        "ours": ours,
     }
 
 
@@ -402,6 +434,7 @@ def bench_preset(spec: RoutingSpec, rounds: int, progress=None) -> list[Row]:
     tw = measure(wire_cases(store), rounds, progress=progress)
     reads = make_scheduler_read_workload(spec)
     ts = measure(scheduler_read_cases(reads), rounds, progress=progress)
+    tf = measure(scheduler_finish_cases(reads), rounds, progress=progress)
     narrow, wide = t["narrow"], t["int32"]
     return [
         Row(
@@ -439,6 +472,10 @@ def bench_preset(spec: RoutingSpec, rounds: int, progress=None) -> list[Row]:
         Row(
             f"scheduler reads, {len(reads.req_ids)} decoding requests", ts["ours"], reads.nbytes, ts["memcpy"],
             ts["baseline"], ">= 2.0x per-request store reads", ts["baseline"] / ts["ours"] >= 2.0,
+        ),
+        Row(
+            f"scheduler reads, {len(reads.req_ids)} requests finishing", tf["ours"], reads.finish_nbytes,
+            tf["memcpy"], None, ">= 0.8x fancy index", tf["memcpy"] / tf["ours"] >= 0.8,
         ),
     ]
 

@@ -110,7 +110,7 @@ class OffloadRouting(ExternalHits):
     num_external - 1`` into blocks handed out in the step being scheduled
     (``update_state_after_alloc``, wrapped here). Their rows are queued to be written
     when that step's output arrives, after the invalidation of those new blocks
-    (:meth:`~slotroute.vllm.scheduler.SchedulerRouting.write_after_allocation`); the
+    (:meth:`~slotroute.vllm.routing.SlotRouting.write_after_allocation`); the
     request's first read of them is at an output after its load finished, later.
 
     Parameters
@@ -212,7 +212,7 @@ class OffloadRouting(ExternalHits):
             rows.append(held[position - first : stop - first])
             position = stop
         if slots:
-            routing.write_after_allocation(np.concatenate(slots), np.concatenate(rows))
+            routing.core.write_after_allocation(np.concatenate(slots), np.concatenate(rows))
             self.stats["tokens_loaded"] += position - start
 
     def forget(self, req_id: str) -> None:

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
 from slotroute.vllm import LOGGER_NAME
-from slotroute.vllm.scheduler import attention_gid, routing_spec
+from slotroute.vllm.routing import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists, StepFailure
 
 __all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"]
