@@ -302,3 +302,29 @@ def test_monolithic_kernel_sink_hands_int16_ids_that_ship_as_captured():
         sink.capture_fn(sink.buffer[:5])
     with pytest.raises(ValueError, match=r"the first is token 3 of the step .*layer 2: -1"):
         capturer.snapshot(5, np.arange(5)).result()
+
+
+@pytest.mark.parametrize("begins_steps", [True, False])
+def test_v2_execute_model_clears_after_a_dummy_run_and_begins_real_steps_where_asked(begins_steps):
+    """Both V2 adapters' wrapper: a dummy run leaves the buffer to clear; a real step
+    begins here only on 0.28-0.30 (``begins_steps``); a runner without slotroute's
+    routing runs as installed; vLLM's own call and result pass through."""
+    from types import SimpleNamespace
+
+    from slotroute.vllm.worker import v2_execute_model
+
+    calls, seen = [], []
+    routing = SimpleNamespace(forward_without_snapshot=lambda: calls.append("dummy"), begin_step=calls.append)
+
+    def original(self, scheduler_output, intermediate_tensors=None, dummy_run=False):
+        seen.append(dummy_run)
+        return scheduler_output.total_num_scheduled_tokens
+
+    execute_model = v2_execute_model(lambda runner: runner.routing, begins_steps)(original)
+    ours, installed = SimpleNamespace(routing=routing), SimpleNamespace(routing=None)
+    step = SimpleNamespace(total_num_scheduled_tokens=7)
+    assert execute_model(ours, step, None, True) == 7
+    assert execute_model(ours, step) == 7
+    assert execute_model(installed, step, None, True) == 7
+    assert calls == (["dummy", 7] if begins_steps else ["dummy"])
+    assert seen == [True, False, True]

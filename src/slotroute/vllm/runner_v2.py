@@ -29,7 +29,7 @@ from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
 from slotroute.capture import PendingSnapshot
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.worker import WorkerRouting, as_vllm_lists
+from slotroute.vllm.worker import WorkerRouting, as_vllm_lists, v2_execute_model
 
 __all__ = ["StepCapture", "StepRouting", "v2_runner_patches"]
 
@@ -104,21 +104,9 @@ def _make_init_capturer(original):
     return init_routed_experts_capturer
 
 
-def _make_execute_model(original):
-    """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.execute_model``:
-    prepares a real step's capture; a dummy run ships nothing and leaves the buffer to
-    clear (NOTE 1 of ``WorkerRouting``)."""
-
-    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
-        capture = self.routed_experts_capturer
-        if isinstance(capture, StepCapture):
-            if dummy_run:
-                capture.routing.forward_without_snapshot()
-            else:
-                capture.begin_step(scheduler_output.total_num_scheduled_tokens)
-        return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
-
-    return execute_model
+def _routing_of(runner) -> WorkerRouting | None:
+    capture = runner.routed_experts_capturer
+    return capture.routing if isinstance(capture, StepCapture) else None
 
 
 def v2_runner_patches() -> list[Patch]:
@@ -132,7 +120,7 @@ def v2_runner_patches() -> list[Patch]:
         Patch(RUNNER, "GPUModelRunner.execute_model",
               ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "..."),
               ("capturer.get_routed_experts(slot_mappings, num_toks)", "routed_experts=routed_experts"),
-              _make_execute_model),
+              v2_execute_model(_routing_of, begins_steps=True)),
         # Relied on, not replaced: where V2 hands the step's routing to its output.
         Patch(ASYNC_UTILS, "AsyncOutput.__init__", None,
               ("routed_experts.to_cpu_nonblocking()",), None),

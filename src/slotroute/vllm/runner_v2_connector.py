@@ -28,7 +28,7 @@ import torch
 
 from slotroute.capture import PendingSnapshot
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.worker import WorkerRouting, step_output
+from slotroute.vllm.worker import WorkerRouting, step_output, v2_execute_model
 from slotroute.wire import RoutedExpertsLists, StepMeta
 
 __all__ = ["PendingStep", "StepConnector", "drop_rejected", "v2_runner_connector_patches"]
@@ -176,18 +176,9 @@ def _make_sample_tokens(original):
     return sample_tokens
 
 
-def _make_execute_model(original):
-    """Wraps ``vllm/v1/worker/gpu/model_runner.py`` ``GPUModelRunner.execute_model``: a
-    dummy run (no snapshot follows it) leaves the capture buffer to clear before the
-    next real step (NOTE 1 of ``WorkerRouting``)."""
-
-    def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
-        connector = self.aux_output_connector
-        if dummy_run and isinstance(connector, StepConnector):
-            connector.routing.forward_without_snapshot()
-        return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
-
-    return execute_model
+def _routing_of(runner) -> WorkerRouting | None:
+    connector = runner.aux_output_connector
+    return connector.routing if isinstance(connector, StepConnector) else None
 
 
 def v2_runner_connector_patches() -> list[Patch]:
@@ -203,7 +194,7 @@ def v2_runner_connector_patches() -> list[Patch]:
         Patch(RUNNER, "GPUModelRunner.execute_model",
               ("self", "scheduler_output", "intermediate_tensors", "dummy_run", "..."),
               ("self.aux_output_connector.begin_step(", "scheduler_output.aux_output_connector_metadata"),
-              _make_execute_model),
+              v2_execute_model(_routing_of, begins_steps=False)),
         # Relied on, not replaced: where V2 hands a step's routing over.
         Patch(ASYNC_UTILS, "AsyncOutput.__init__", None, ("self.pending_aux_output.enqueue_cpu_copy(",), None),
         Patch(ASYNC_UTILS, "AsyncOutput.get_output", ("self",),

@@ -29,7 +29,7 @@ from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.routing import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists, StepFailure
 
-__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"]
+__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output", "v2_execute_model"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -269,3 +269,27 @@ def step_output(pending: PendingSnapshot):
     return RoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
 
 
+
+
+def v2_execute_model(routing_of, begins_steps: bool):
+    """The wrapper factory of ``vllm/v1/worker/gpu/model_runner.py``
+    ``GPUModelRunner.execute_model`` shared by both V2 adapters: a dummy run (no
+    snapshot follows it) leaves the capture buffer to clear before the next real step
+    (NOTE 1 of :class:`WorkerRouting`); where ``begins_steps`` (vLLM 0.28-0.30, whose
+    V2 has no step hook of its own), a real step's capture is prepared here.
+    ``routing_of(runner)`` is the runner's :class:`WorkerRouting`, ``None`` where
+    slotroute is not in place."""
+
+    def make(original):
+        def execute_model(self, scheduler_output, intermediate_tensors=None, dummy_run=False, *args, **kwargs):
+            routing = routing_of(self)
+            if routing is not None:
+                if dummy_run:
+                    routing.forward_without_snapshot()
+                elif begins_steps:
+                    routing.begin_step(scheduler_output.total_num_scheduled_tokens)
+            return original(self, scheduler_output, intermediate_tensors, dummy_run, *args, **kwargs)
+
+        return execute_model
+
+    return make
