@@ -244,16 +244,21 @@ def child(args) -> None:
 
 
 def run_child(config: str, args, work: Path, round_no: int) -> dict:
-    result_path = work / f"{config}-{round_no}.json"
-    log_path = work / f"{config}-{round_no}.log"
+    result_path = work / f"{config.replace('/', '_')}-{round_no}.json"
+    log_path = result_path.with_suffix(".log")
+    # "slotroute@SRC": slotroute imported from the source tree SRC (another revision's
+    # src/, its extension built in place), for an A/B of two revisions in the same rounds.
+    base, _, source = config.partition("@")
     command = [
-        sys.executable, __file__, "--child", config, "--result", str(result_path),
+        sys.executable, __file__, "--child", base, "--result", str(result_path),
         "--requests", str(args.requests), "--prompt", str(args.prompt), "--gen", str(args.gen),
         "--chunk", str(args.chunk), "--repeats", str(args.repeats), "--shape", args.shape,
         "--executor", args.executor, *(["--totals-only"] if args.totals_only else []),
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("SLOTROUTE_DISABLE", "SLOTROUTE_VLLM_MODE")}
-    env.update(CONFIGS[config])
+    env.update(CONFIGS[base])
+    if source:
+        env["PYTHONPATH"] = source
     if not args.bind_threads:
         env.update(OMP_NUM_THREADS="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     started = time.perf_counter()
@@ -328,7 +333,7 @@ def report(results: dict[str, list[dict]], args) -> None:
         print("| " + " | ".join(row) + " |")
 
     print()
-    routed = [c for c in ("vllm", "slotroute") if c in results]
+    routed = [c for c in results if c != "off"]
     print("throughput cost vs off (best runs): " + ", ".join(f"{c} {1 - best[c] / best['off']:+.1%}" for c in routed))
     sched = {c: per_step_us(c, *SCHEDULER_KEYS) for c in routed}
     print("routing calls' time per step (store_batch + get, and slotroute's bookkeeping): "
@@ -340,13 +345,22 @@ def report(results: dict[str, list[dict]], args) -> None:
               + f" (off {us['off']:.1f} us)")
 
     print_over_off("scheduler time (schedule + update_from_output)", SCHEDULER_TOTAL)
+
+    def round_us(config: str, round_no: int) -> float:
+        run = results[config][round_no]
+        return statistics.median(1e6 * rep["seconds"].get(SCHEDULER_TOTAL, 0.0) / run["steps"] for rep in run["reps"])
+
+    for config in routed:
+        added = [round_us(config, r) - round_us("off", r) for r in range(len(results["off"]))]
+        print(f"scheduler time per step over off, {config}, per round (medians of its repetitions): "
+              + ", ".join(f"{us:+.1f}" for us in added) + f" us; median {statistics.median(added):+.1f} us")
     if args.executor == "mp":
         print_over_off("engine process unpickling the worker's output", RECEIVE_KEY)
     work = {c: per_step_us(c, *WORKER_KEYS) for c in routed}
     print("worker time routing adds per step (capture calls, and slotroute's reset + snapshot): "
           + ", ".join(f"{c} {work[c]:.1f} us" for c in routed) + " (vllm: + its inline int32 copy)")
     print_over_off("sample_tokens (vLLM's inline int32 copy against slotroute's snapshot)", SAMPLE_KEY)
-    if len(routed) == 2:
+    if routed == ["vllm", "slotroute"]:
         shipped = {c: first(c, "routing_bytes_per_step") for c in routed}
         with_slots = {c: shipped[c] + first(c, "slot_bytes_per_step") for c in routed}
         if shipped["vllm"]:  # not with --totals-only, where store_batch is not wrapped
@@ -390,7 +404,8 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument(
         "--configs", default=",".join(CONFIGS),
-        help="comma-separated, off first (vLLM 0.31+ on the CPU: off,slotroute; vLLM refuses its own path there)",
+        help="comma-separated, off first (vLLM 0.31+ on the CPU: off,slotroute; vLLM refuses its own path there); "
+        "slotroute@SRC imports slotroute from the source tree SRC (another revision's src/, extension built in place)",
     )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write every child's raw result here")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
@@ -403,7 +418,7 @@ def main() -> None:
 
     default_model_dir(**SHAPES[args.shape])  # written once, before the children race for it
     configs = args.configs.split(",")
-    if configs[0] != "off" or not set(configs) <= set(CONFIGS):
+    if configs[0] != "off" or not {c.partition("@")[0] for c in configs} <= set(CONFIGS):
         parser.error(f"--configs: off first, then some of {', '.join(CONFIGS)}; got {args.configs}")
     results: dict[str, list[dict]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="slotroute-e2e-") as work:

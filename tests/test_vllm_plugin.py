@@ -101,6 +101,25 @@ def test_patch_whose_hook_point_is_gone_is_refused():
         patch.verify()
 
 
+def test_patch_whose_calls_come_in_another_order_is_refused():
+    """A tuple of fragments is verified in its order: the calls whose order a
+    replacement relies on (the connector's ``take_output`` before a request's blocks
+    are freed)."""
+    import inspect
+
+    from vllm.v1.core.block_pool import BlockPool
+
+    from slotroute.vllm.patches import Patch, PatchError
+
+    lines = [line.strip() for line in inspect.getsource(BlockPool.get_new_blocks).splitlines()]
+    first, last = next(l for l in lines if "popleft_n" in l), next(l for l in lines if l.startswith("return"))
+    in_order = Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", None, ((first, last),), None)
+    assert in_order.verify() is not None
+    reversed_order = Patch("vllm.v1.core.block_pool", "BlockPool.get_new_blocks", None, ((last, first),), None)
+    with pytest.raises(PatchError, match="no longer contains"):
+        reversed_order.verify()
+
+
 CPU_CAPTURE_ONLY_RUN = """
 import json, sys
 import numpy as np

@@ -401,10 +401,14 @@ def _connector_patches(built_as: str, schedule_calls: tuple[str, ...], caps_exte
         Patch(SCHEDULER, "Scheduler.schedule", None,
               (*schedule_calls, "self.connector.get_num_new_matched_tokens(", "self.connector.update_state_after_alloc("),
               None),
+        # NOTE 2 of ConnectorRouting: take_output after the stop check and before the
+        # request's blocks are freed; a preempted request reported before its blocks are.
         Patch(SCHEDULER, "Scheduler.update_from_output", ("self", "scheduler_output", "model_runner_output"),
-              ("self.aux_output_connector.take_output(", "model_runner_output.aux_output_connector_output"),
+              (("self._update_request_with_output(", "self.aux_output_connector.take_output(",
+                "self._free_request(request)"),
+               "model_runner_output.aux_output_connector_output"),
               _make_update_from_output),
         Patch(SCHEDULER, "Scheduler._free_request", None, ("self.aux_output_connector.request_finished(request)",), None),
         Patch(SCHEDULER, "Scheduler._preempt_request", None,
-              ("self.aux_output_connector.request_finished(request)",), None),
+              (("self.aux_output_connector.request_finished(request)", "self._free_request_blocks(request)"),), None),
     ]

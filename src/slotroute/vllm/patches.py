@@ -23,6 +23,19 @@ class PatchError(RuntimeError):
     """A vLLM internal slotroute patches is missing or does not look as expected."""
 
 
+def _contains(source: str, fragment: str | tuple[str, ...]) -> bool:
+    """Whether ``source`` contains ``fragment``, or a tuple's fragments in its order."""
+    if isinstance(fragment, str):
+        return fragment in source
+    at = 0
+    for part in fragment:
+        at = source.find(part, at)
+        if at < 0:
+            return False
+        at += len(part)
+    return True
+
+
 @dataclass(frozen=True)
 class Patch:
     """Replace ``module.qualname`` with ``make(original)``. The target may be
@@ -41,7 +54,8 @@ class Patch:
         through); ``None`` skips the check (module-level names that are not callables).
     needs
         Source fragments the target (or, for a module-level name, its module) must
-        contain: the lines slotroute's replacement relies on.
+        contain: the lines slotroute's replacement relies on. A tuple of fragments
+        must appear in that order (calls whose order the replacement relies on).
     make
         Builds the replacement from the original; ``None`` for a target slotroute
         relies on but does not replace (only verified).
@@ -50,7 +64,7 @@ class Patch:
     module: str
     qualname: str
     params: tuple[str, ...] | None
-    needs: tuple[str, ...]
+    needs: tuple[str | tuple[str, ...], ...]
     make: Callable[[Any], Any] | None
 
     @property
@@ -90,7 +104,7 @@ class Patch:
                 raise PatchError(f"{self.where} has parameters {found}, expected {self.params}")
         if self.needs:
             source = inspect.getsource(target)
-            missing = [fragment for fragment in self.needs if fragment not in source]
+            missing = [fragment for fragment in self.needs if not _contains(source, fragment)]
             if missing:
                 raise PatchError(f"{self.where} no longer contains {missing}; slotroute's patch relies on them")
         return target
