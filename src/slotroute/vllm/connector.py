@@ -175,9 +175,9 @@ class ConnectorRouting:
             return [block.block_id for block in blocks[first:stop]]
         return self._parked.get(req_id, [])[first:stop]  # preempted with this step in flight (NOTE 1)
 
-    def _read_into(self, req_id: str, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Rows ``start .. end - 1`` of the request from the store (into ``out`` where
-        given), over the blocks that hold them.
+    def _read_into(self, req_id: str, start: int, end: int) -> np.ndarray:
+        """Rows ``start .. end - 1`` of the request from the store (a copy), over the
+        blocks that hold them.
 
         Raises
         ------
@@ -189,7 +189,7 @@ class ConnectorRouting:
         block_ids = self._block_ids(req_id, first, stop)
         if len(block_ids) * size < end - first * size:
             raise MissingRoutingError(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
-        return self.store.get(block_ids, end - first * size, start - first * size, out)
+        return self.store.get(block_ids, end - first * size, start - first * size)
 
     def request_finished(self, request) -> None:
         """Forget a finished request. A preempted one's rows emitted so far are read
