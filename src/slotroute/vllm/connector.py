@@ -142,9 +142,9 @@ class ConnectorRouting:
         some is not stored; ``None`` if there are none."""
         req_id = request.request_id
         saved = self._saved.pop(req_id, None)
-        rows = self._read_next(request)
         if isinstance(saved, MissingRoutingError):
-            return self.core.missing(saved)
+            return self.core.missing(saved)  # the request fails: its other rows are not read
+        rows = self._read_next(request)
         if isinstance(rows, MissingRoutingError):
             return self.core.missing(rows)
         if saved and rows is not None:

@@ -78,9 +78,6 @@ class StepCapture:
     def __init__(self, runner) -> None:
         self.routing = WorkerRouting.of_runner(runner)
 
-    def begin_step(self, num_tokens: int) -> None:
-        self.routing.begin_step(num_tokens)
-
     def get_routed_experts(self, slot_mappings, num_tokens: int) -> StepRouting:
         """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is
         V2's ``(num_kv_cache_groups, max_num_tokens)`` device tensor, of which the
