@@ -11,6 +11,8 @@
 #   bash benchmarks/gpu_device.sh offload exact|bench BUDGET_S   # gpu_offload.py: routing through
 #                                                     # vLLM's KV offload tier, checked or timed
 #   bash benchmarks/gpu_device.sh pytest [pytest arguments]     # any GPU tests, in this environment
+#   bash benchmarks/gpu_device.sh vllm WHEEL DIR       # another vLLM wheel into DIR (no dependencies:
+#                                                     # the kit's serve it); VLLM_SITE=DIR runs on it
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
 # end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
@@ -20,8 +22,12 @@ cd "$(dirname "$0")/.."
 SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
-  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:/tmp/site
-case ${1:?install, tests, bench, offload or pytest} in
+  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:${VLLM_SITE:+$VLLM_SITE:}/tmp/site
+case ${1:?install, tests, bench, offload, pytest or vllm} in
+vllm)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "${3:?DIR}" "${2:?WHEEL}"
+  PYTHONPATH=$SR:/tmp/tsite:$3:/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)"
+  ;;
 install)
   rm -rf $SR && mkdir -p $SR/slotroute-0.1.0.dist-info && cp -r src/slotroute $SR/
   printf "Metadata-Version: 2.1\nName: slotroute\nVersion: 0.1.0\n" > $SR/slotroute-0.1.0.dist-info/METADATA

@@ -52,8 +52,10 @@ def draft_llm(tiny_model, reference, tmp_path_factory):
     """Prefix caching on, chunked prefill, 3 drafts a step; stats on for vLLM's
     spec-decode counters. ``reference`` is started first."""
     drafter = noisy_drafter(tiny_model, tmp_path_factory.mktemp("drafter"))
+    # max_num_seqs: vLLM's V2 GPU runner sizes its profiling run as max_num_batched_tokens
+    # less (1 + drafts) per sequence, and with its default of 256 sequences that is 0 tokens.
     llm = make_llm(tiny_model, enable_prefix_caching=True, max_num_batched_tokens=128, max_model_len=512,
-                   num_gpu_blocks_override=64, disable_log_stats=False,
+                   max_num_seqs=8, num_gpu_blocks_override=64, disable_log_stats=False,
                    speculative_config={"method": "draft_model", "model": drafter, "num_speculative_tokens": 3})
     yield llm
     del llm

@@ -179,6 +179,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
     import vllm
     from vllm.config import CUDAGraphMode
 
+    from slotroute.vllm.connector import ConnectorRouting
     from slotroute.vllm.scheduler import SchedulerRouting
 
     connector = connector_generation()
@@ -188,7 +189,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
     assert config.use_v2_model_runner is (RUNNER == "v2")
     assert config.compilation_config.cudagraph_mode != CUDAGraphMode.NONE
     assert not config.model_config.enforce_eager
-    assert isinstance(routing_of(scheduler_of(llm)), SchedulerRouting)
+    assert isinstance(routing_of(scheduler_of(llm)), ConnectorRouting if connector else SchedulerRouting)
     if RUNNER == "v2":
         assert type(runner).__module__ == "vllm.v1.worker.gpu.model_runner"
         if connector:
