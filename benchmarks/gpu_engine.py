@@ -159,9 +159,18 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         )
         from vllm.v1.outputs import RoutedExpertsTensors
 
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
+
         timer.wrap(RoutedExpertsManager, "store_batch", "scheduler", count_bytes)
         timer.wrap(RoutedExpertsManager, "get", "scheduler")
+        # The step's device copies: the capturer's on V2, the runner's own method on V1.
         timer.wrap(RoutedExpertsCapturer, "get_routed_experts", "worker")
+        if hasattr(V1Runner, "get_routed_experts"):
+            timer.wrap(V1Runner, "get_routed_experts", "worker")
+        # The copy to the host, which both runners' async outputs start, and the lists
+        # the scheduler reads.
+        if hasattr(RoutedExpertsTensors, "to_cpu_nonblocking"):
+            timer.wrap(RoutedExpertsTensors, "to_cpu_nonblocking", "worker")
         timer.wrap(RoutedExpertsTensors, "tolists", "worker")
     elif connector_generation:
         from slotroute.vllm import runner_v1, runner_v2_connector

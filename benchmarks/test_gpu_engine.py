@@ -86,3 +86,17 @@ def test_counted_children_time_no_scheduler_routing_call_the_warm_up_times_them_
     assert {"take_output", "get"} & {name for name, label in wrapped if label == "scheduler"}
     assert {label for _, label in light} == {"worker", "bytes"}
     assert ("store_batch", "bytes") in light and ("snapshot_step", "worker") in light
+
+
+def test_vllms_own_path_before_0_31_is_timed_in_every_worker_call_of_its_step():
+    vllm = pytest.importorskip("vllm")
+    if tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31):
+        pytest.skip("vLLM 0.31+'s own path is its aux-output connector, timed by its own methods")
+    wrapped = []
+    timer = SimpleNamespace(wrap=lambda owner, name, label, on_call=None: wrapped.append((owner.__name__, name, label)))
+    gpu_engine.instrument("vllm", timer, [], detail=False)
+    worker = {(owner, name) for owner, name, label in wrapped if label == "worker"}
+    # the device copies on both runners, the copy to the host their async outputs start,
+    # and the lists the scheduler reads
+    assert {("RoutedExpertsCapturer", "get_routed_experts"), ("GPUModelRunner", "get_routed_experts"),
+            ("RoutedExpertsTensors", "to_cpu_nonblocking"), ("RoutedExpertsTensors", "tolists")} <= worker
