@@ -373,7 +373,28 @@ def summarize(children: list[dict]) -> dict:
         for c in children if c.get("round") == 0 and "results" in c and c["config"] != "off"
         for workload, r in c["results"].items()
     }
+    summary["routing_calls"] = _routing_calls(children)
     return summary
+
+
+def _routing_calls(children: list[dict]) -> dict:
+    """Per workload and routing path, the host us/step of its routing calls as the
+    warm-up child timed them all (worker and scheduler, wrappers included; one child
+    each, so no spread): the same method for both paths, free of the variation of
+    vLLM's whole scheduler between processes; and slotroute's total over vLLM's own."""
+    calls: dict[str, dict] = {}
+    for c in children:
+        if c.get("round") != 0 or "results" not in c or c["config"] not in ADDED:
+            continue
+        for workload, r in c["results"].items():
+            if r.get("routing_scheduler_us_per_step") is None:
+                continue
+            worker, scheduler = r["worker_us_per_step"], r["routing_scheduler_us_per_step"]
+            calls.setdefault(workload, {})[c["config"]] = dict(worker=worker, scheduler=scheduler, total=worker + scheduler)
+    for by_config in calls.values():
+        if len(by_config) == len(ADDED):
+            by_config["slotroute / vllm"] = by_config["slotroute"]["total"] / by_config["vllm"]["total"]
+    return calls
 
 
 def _host_cost(rounds: list[dict], workload: str) -> dict:
@@ -419,6 +440,17 @@ def report(summary: dict, header: str) -> str:
         ratio = cost.get("slotroute / vllm")
         ratio_cell = "-" if ratio is None else f"{ratio['median']:.3f} ({ratio['min']:.3f}-{ratio['max']:.3f})"
         lines.append(f"| {workload} | {cell(cost.get('slotroute'))} | {cell(cost.get('vllm'))} | {ratio_cell} |")
+    if summary.get("routing_calls"):
+        lines += ["", "| workload | routing calls us/step, every call timed (warm-up children, worker + scheduler): "
+                  "slotroute | vLLM's own | slotroute / vLLM's own |", "|---|---|---|---|"]
+        for workload, by_config in summary["routing_calls"].items():
+            def total(config):
+                m = by_config.get(config)
+                return "-" if m is None else f"{m['total']:.0f} ({m['worker']:.0f} + {m['scheduler']:.0f})"
+
+            ratio = by_config.get("slotroute / vllm")
+            lines.append(f"| {workload} | {total('slotroute')} | {total('vllm')} | "
+                         f"{'-' if ratio is None else f'{ratio:.3f}'} |")
     if summary.get("breakdown"):
         lines += ["", "Per-call breakdown (us/step), from the warm-up children, which time every routing call:"]
         for name, breakdown in summary["breakdown"].items():

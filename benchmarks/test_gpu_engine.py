@@ -100,3 +100,18 @@ def test_vllms_own_path_before_0_31_is_timed_in_every_worker_call_of_its_step():
     # and the lists the scheduler reads
     assert {("RoutedExpertsCapturer", "get_routed_experts"), ("GPUModelRunner", "get_routed_experts"),
             ("RoutedExpertsTensors", "to_cpu_nonblocking"), ("RoutedExpertsTensors", "tolists")} <= worker
+
+
+def test_routing_calls_compare_the_warm_up_childrens_timed_calls_of_each_path():
+    def warm_up(config, worker, scheduler):
+        metrics = dict(tok_s=100.0, req_min=10.0, worker_us_per_step=worker, scheduler_us_per_step=5000.0,
+                       routing_scheduler_us_per_step=scheduler, bytes_per_step=100.0)
+        return dict(round=0, config=config, results={"rollout": metrics})
+
+    children = [warm_up("off", 0.0, 0.0), warm_up("vllm", 900.0, 300.0), warm_up("slotroute", 200.0, 400.0),
+                child(1, "vllm", 100), child(1, "slotroute", 101), child(1, "off", 102)]
+    calls = gpu_engine.summarize(children)["routing_calls"]["rollout"]
+    assert "off" not in calls  # routing off has no routing calls to time
+    assert calls["slotroute"] == dict(worker=200.0, scheduler=400.0, total=600.0)
+    assert calls["slotroute / vllm"] == pytest.approx(600 / 1200)
+    assert "| rollout | 600 (200 + 400) | 1200 (900 + 300) | 0.500 |" in gpu_engine.report(gpu_engine.summarize(children), "h")
