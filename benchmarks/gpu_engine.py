@@ -106,6 +106,13 @@ class Timer:
         self.calls.clear()
 
 
+def is_connector_generation() -> bool:
+    """Whether the installed vLLM is 0.31+, whose routing path is the aux-output connector."""
+    import vllm
+
+    return tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+
+
 def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = False) -> None:
     """Wrap the routing calls of ``config``'s path (classes, before the engine starts;
     nothing slotroute verifies, so its patches still go in).
@@ -134,9 +141,7 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         data, slots = args[-2], args[-1]
         shipped.append(int(data.nbytes) + int(slots.nbytes))
 
-    import vllm
-
-    connector_generation = tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
+    connector_generation = is_connector_generation()
     if config == "vllm" and connector_generation:
         from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
         from vllm.distributed.aux_output_connector.worker import AuxOutputWorkerConnector
@@ -158,7 +163,6 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
             RoutedExpertsManager,
         )
         from vllm.v1.outputs import RoutedExpertsTensors
-
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner as V1Runner
 
         timer.wrap(RoutedExpertsManager, "store_batch", "scheduler", count_bytes)
@@ -443,13 +447,12 @@ def report(summary: dict, header: str) -> str:
     if summary.get("routing_calls"):
         lines += ["", "| workload | routing calls us/step, every call timed (warm-up children, worker + scheduler): "
                   "slotroute | vLLM's own | slotroute / vLLM's own |", "|---|---|---|---|"]
-        for workload, by_config in summary["routing_calls"].items():
-            def total(config):
-                m = by_config.get(config)
-                return "-" if m is None else f"{m['total']:.0f} ({m['worker']:.0f} + {m['scheduler']:.0f})"
+        def total(m):
+            return "-" if m is None else f"{m['total']:.0f} ({m['worker']:.0f} + {m['scheduler']:.0f})"
 
+        for workload, by_config in summary["routing_calls"].items():
             ratio = by_config.get("slotroute / vllm")
-            lines.append(f"| {workload} | {total('slotroute')} | {total('vllm')} | "
+            lines.append(f"| {workload} | {total(by_config.get('slotroute'))} | {total(by_config.get('vllm'))} | "
                          f"{'-' if ratio is None else f'{ratio:.3f}'} |")
     if summary.get("breakdown"):
         lines += ["", "Per-call breakdown (us/step), from the warm-up children, which time every routing call:"]
