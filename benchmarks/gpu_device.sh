@@ -13,6 +13,10 @@
 #   bash benchmarks/gpu_device.sh pytest [pytest arguments]     # any GPU tests, in this environment
 #   bash benchmarks/gpu_device.sh vllm WHEEL DIR       # another vLLM wheel into DIR (no dependencies:
 #                                                     # the kit's serve it); VLLM_SITE=DIR runs on it
+#   bash benchmarks/gpu_device.sh cache save          # the compile caches (vLLM's, inductor's, Triton's) as
+#                                                     # $OUT/cache/c.tgz.NN, 15 MB each, when they fit what comes back
+#   bash benchmarks/gpu_device.sh cache restore DIR   # unpack them from DIR (carried) on a fresh machine, so a
+#                                                     # `bench` continued there starts its children with warm caches
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
 # end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
@@ -23,7 +27,17 @@ SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:${VLLM_SITE:+$VLLM_SITE:}/tmp/site
-case ${1:?install, tests, bench, offload, pytest or vllm} in
+case ${1:?install, tests, bench, offload, pytest, vllm or cache} in
+cache)
+  dirs="root/.cache/vllm tmp/torchinductor_root root/.triton/cache"
+  if [ "${2:?save or restore}" = save ]; then
+    mkdir -p "$OUT/cache" && tar -C / -czf /tmp/c.tgz $(cd / && ls -d $dirs 2>/dev/null)
+    size=$(stat -c %s /tmp/c.tgz); echo "compile caches: $size bytes"
+    if [ "$size" -le 60000000 ]; then split -b 15000000 -d /tmp/c.tgz "$OUT/cache/c.tgz."; else echo "too large to come back"; fi
+  else
+    cat "${3:?DIR}"/c.tgz.* | tar -C / -xzf - && echo "compile caches restored from $3"
+  fi
+  ;;
 vllm)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "${3:?DIR}" "${2:?WHEEL}"
   PYTHONPATH=$SR:/tmp/tsite:$3:/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)"

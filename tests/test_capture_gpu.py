@@ -214,6 +214,43 @@ def test_snapshots_reuse_the_ring_allocated_once(narrowing):
     assert [(slot.device.data_ptr(), slot.host.data_ptr()) for slot in cap._ring] == ring
 
 
+def test_results_are_views_of_the_ring_while_the_caller_drops_them(narrowing):
+    """A caller that drops each result once read (vLLM 0.31+ stores the rows) gets views
+    of the ring's pinned buffers, no copy, and the ring's slots come round again."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=3)
+    hosts = {slot.host.data_ptr(): slot for slot in cap._ring}
+    for step in range(9):
+        ids = random_routing(DEEPSEEK, 200 + step, seed=500 + step)
+        capture_step(cap, ids)
+        slots = torch.arange(len(ids), device="cuda") * 3 + step
+        lists = cap.snapshot(len(ids), slots, clear=True).result()
+        assert lists.routing_data.base is not None and lists.routing_data.ctypes.data in hosts
+        assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+        del lists
+    assert cap._lend and len(cap._ring) == 3
+    assert not any(slot.lent() for slot in cap._ring)
+
+
+def test_results_kept_past_the_ring_stay_intact_and_later_ones_are_copies(narrowing):
+    """A caller that keeps every result (vLLM 0.28-0.30's in-process engine keeps decode
+    rows until the request finishes): no later snapshot writes a kept view; once a slot
+    is found lent the capturer copies results out, and the kept views free their slots."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=3)
+    poison(cap)
+    kept = []
+    for step in range(12):
+        ids = random_routing(DEEPSEEK, 512 - 16 * step, seed=600 + step)
+        capture_step(cap, ids)
+        slots = torch.randperm(4096, device="cuda")[: len(ids)]
+        kept.append((cap.snapshot(len(ids), slots, clear=True).result(), ids, slots.clone()))
+    for lists, ids, slots in kept:
+        assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+    assert not cap._lend and len(cap._ring) <= 6
+    assert all(lists.routing_data.flags.owndata for lists, _, _ in kept[4:])
+    del kept, lists
+    assert not any(slot.lent() for slot in cap._ring)
+
+
 def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):
     """The runner's output copy stream: it waits for the compute stream, takes the one
     copy, records a blocking event, and ``result()`` needs no wait of its own."""

@@ -10,6 +10,8 @@ scheduler. ``docs/capture.md`` walks through the layouts and the snapshot pipeli
 from __future__ import annotations
 
 import functools
+import logging
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +21,8 @@ import torch.distributed as dist
 
 from slotroute.spec import RoutingSpec
 from slotroute.wire import RoutedExpertsLists
+
+logger = logging.getLogger(__name__)
 
 try:
     from slotroute import _native
@@ -207,9 +211,11 @@ class _RingSlot:
     packed device buffer the snapshot kernel writes, the pinned host buffer the step's
     one device-to-host copy fills, and two events made once: ``ready`` orders a copy on
     the capturer's own stream after the kernel, ``copied`` (blocking: the host sleeps
-    on it) follows that copy. ``holder`` is the unresolved snapshot using the slot."""
+    on it) follows that copy. ``holder`` is the unresolved snapshot using the slot; a
+    resolved snapshot's arrays are views of ``host_np``, and the slot is :meth:`lent`
+    while any of them is alive."""
 
-    __slots__ = ("device", "host", "host_np", "ready", "copied", "holder")
+    __slots__ = ("device", "host", "host_np", "ready", "copied", "holder", "_free_refs")
 
     def __init__(self, nbytes: int, device: torch.device):
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -218,6 +224,13 @@ class _RingSlot:
         self.ready = torch.cuda.Event()
         self.copied = torch.cuda.Event(blocking=True)
         self.holder: PendingSnapshot | None = None
+        self._free_refs = sys.getrefcount(self.host_np)
+
+    def lent(self) -> bool:
+        """Whether some view of the host buffer is alive (numpy collapses every view's
+        ``base`` to ``host_np``, so each holds one reference to it): a result still in
+        use, whose rows a later snapshot must not overwrite."""
+        return sys.getrefcount(self.host_np) > self._free_refs
 
 
 def _packed_layout(num_tokens: int, row_bytes: int, row_ids: int, device_slots: bool) -> tuple[int, int, int, int]:
@@ -233,15 +246,16 @@ def _packed_layout(num_tokens: int, row_bytes: int, row_ids: int, device_slots: 
 class PendingSnapshot:
     """One step's routing on its way to the host; :meth:`result` waits for it.
 
-    On CUDA it holds a slot of the capturer's ring until it is resolved, then copies
-    its rows out, so that its result owns its memory however many later snapshots are
-    taken. The first :meth:`result` call resolves it; later calls return the same
-    object (or raise the same error). Made by :meth:`RoutedExpertsCapturer.snapshot`,
+    On CUDA it holds a slot of the capturer's ring until it is resolved. Its result is
+    then a view of the slot's pinned host buffer, which no later snapshot writes while
+    any view of it is alive, or, once the capturer found a slot still in use when its
+    turn came, a copy (NOTE 1). The first :meth:`result` call resolves it; later calls
+    return the same object (or raise the same error). Made by :meth:`RoutedExpertsCapturer.snapshot`,
     not constructed directly.
     """
 
     __slots__ = (
-        "_spec", "_num_tokens", "_slot", "_layout", "_host_slots", "_own_stream", "_copy_enqueued",
+        "_spec", "_num_tokens", "_slot", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_lend",
         "_arrays", "_result", "_error", "_failed_slots",
     )
 
@@ -256,6 +270,7 @@ class PendingSnapshot:
         layout: tuple[int, int, int, int] | None = None,
         host_slots: np.ndarray | None = None,
         own_stream: bool = True,
+        lend: bool = False,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
@@ -268,6 +283,7 @@ class PendingSnapshot:
         self._host_slots = host_slots
         self._own_stream = own_stream
         self._copy_enqueued = own_stream
+        self._lend = lend
 
     @property
     def spec(self) -> RoutingSpec:
@@ -300,8 +316,9 @@ class PendingSnapshot:
         RoutedExpertsLists or None
             ``routing_data`` of shape ``(num_tokens, num_layers, top_k)`` in the spec's
             storage dtype and ``slot_mapping`` (int64) of shape ``(num_tokens,)``:
-            numpy arrays over host memory that belongs to this result alone (copies:
-            no later step writes them). ``None`` on a TP rank other than 0, which
+            numpy arrays over host memory that belongs to this result alone (on CUDA,
+            views of a ring slot that no later snapshot writes while one of them is
+            alive). ``None`` on a TP rank other than 0, which
             ships nothing.
 
         Raises
@@ -337,8 +354,9 @@ class PendingSnapshot:
 
     def _resolve(self) -> None:
         # Bounded by the wait for the copy (the pipeline's only host wait, on a blocking
-        # event, and none where the caller synchronised its own stream) and one memcpy
-        # of the step's bytes out of the ring.
+        # event, and none where the caller synchronised its own stream), a sum over the
+        # step's counts of bad ids and, where the slot is not lent, a memcpy of the
+        # step's bytes out of it.
         slot = self._slot
         if not self._copy_enqueued:  # deferred, and nobody enqueued the copy: do it now and wait
             with torch.cuda.device(slot.device.device):
@@ -349,9 +367,11 @@ class PendingSnapshot:
         spec, n = self._spec, self._num_tokens
         rows_end, slots_at, counts_at, total = self._layout
         host = slot.host_np
-        data = np.empty((n, *spec.token_shape), dtype=spec.storage_dtype)
-        data.reshape(-1)[...] = host[:rows_end].view(spec.storage_dtype)
-        slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64).copy()
+        data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
+        slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
+        if not self._lend:
+            data = data.copy()
+            slots = slots if self._host_slots is not None else slots.copy()
         counts = host[counts_at:total].view(np.int32)
         bad = int(counts.sum()) if counts.any() else 0
         if slot.holder is self:
@@ -359,7 +379,7 @@ class PendingSnapshot:
         self._slot = self._layout = self._host_slots = None
         if bad:
             self._error = _range_error(spec, n, bad, data, slots)
-            self._failed_slots = slots
+            self._failed_slots = slots.copy() if self._lend else slots
         else:
             self._arrays = (data, slots)
 
@@ -466,13 +486,15 @@ class RoutedExpertsCapturer:
         self._gather_into_tensor = tp_group is not None and dist.get_backend(tp_group) != "gloo"
         self._copy_stream = None
         self._ring: list[_RingSlot] = []
+        self._ring_depth = int(ring_depth)
+        self._lend = True  # results are views of their slot until a slot is found still lent (NOTE 1)
         self._next_slot = 0
         self._row_bytes = self._row_ids * spec.storage_dtype.itemsize
         if self._device.type == "cuda" and self._tp_rank == 0:
             self._narrow = _TORCH_STORAGE[spec.storage_dtype]
             self._copy_stream = torch.cuda.Stream(self._device)
-            capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
-            self._ring = [_RingSlot(capacity, self._device) for _ in range(int(ring_depth))]
+            self._ring_capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
+            self._ring = [_RingSlot(self._ring_capacity, self._device) for _ in range(self._ring_depth)]
 
     @property
     def spec(self) -> RoutingSpec:
@@ -717,7 +739,8 @@ class RoutedExpertsCapturer:
                 self._spec.num_experts, clear,
             )
             pending = PendingSnapshot(
-                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer
+                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
+                lend=self._lend and slot in self._ring,
             )
             if slot in self._ring:
                 slot.holder = pending
@@ -737,19 +760,39 @@ class RoutedExpertsCapturer:
     def _acquire_slot(self, nbytes: int) -> _RingSlot:
         """The next slot of the ring, for a snapshot of ``nbytes`` packed bytes.
 
-        NOTE 1: a slot is free once the snapshot that held it was resolved, which
-        happens only after its copy completed (its rows are then copied out). One
-        still held by an own-stream snapshot is freed by resolving that snapshot (a
-        host wait on its blocking event; its result keeps its rows). One held by a
-        deferred snapshot, whose copy this capturer cannot wait for, is left alone:
-        the step gets buffers of its own, allocated now. A runner whose steps in
-        flight are fewer than the ring's slots never takes either branch.
+        NOTE 1: a slot is free once the snapshot that held it was resolved (after its
+        copy completed) and no view of its host buffer, a lent result's arrays, is
+        alive. One still held by an own-stream snapshot is freed by resolving that
+        snapshot (a host wait on its blocking event). One held by a deferred snapshot,
+        whose copy this capturer cannot wait for, is left alone: the step gets buffers
+        of its own, allocated now. One whose lent result is still in use when its turn
+        comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
+        keeps a view of each decode row until its request finishes): from then on the
+        capturer copies every result out of its slot instead of lending it, and this
+        step takes another free slot, or one added to the ring (at most twice its
+        depth), or buffers of its own. A runner whose steps in flight are fewer than
+        the ring's slots, and that drops each step's result once it is read (vLLM
+        0.31+ stores the rows and drops them), takes none of these branches and never
+        copies a result.
         """
-        slot = self._ring[self._next_slot]
+        ring, at = self._ring, self._next_slot
+        slot = ring[at]
         holder = slot.holder
         if holder is not None:
             if not holder._own_stream:
                 return _RingSlot(max(nbytes, 1), self._device)
             holder._resolve()
-        self._next_slot = (self._next_slot + 1) % len(self._ring)
+        if slot.lent():
+            if self._lend:
+                logger.info("slotroute: a routing result was still in use when its ring slot came round "
+                            "again; results are copied out of the ring from now on")
+            self._lend = False
+            slot = next((other for other in ring if other.holder is None and not other.lent()), None)
+            if slot is None:
+                if len(ring) >= 2 * self._ring_depth:
+                    return _RingSlot(max(nbytes, 1), self._device)
+                slot = _RingSlot(self._ring_capacity, self._device)
+                ring.insert(at, slot)
+            at = ring.index(slot)
+        self._next_slot = (at + 1) % len(ring)
         return slot
