@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from slotroute import capture as capture_module
-from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, pack_snapshot
+from slotroute.capture import NOT_CAPTURED, BatchLayout, RoutedExpertsCapturer, owned_copy, pack_snapshot
 from slotroute.spec import RoutingSpec
 from slotroute.wire import RoutedExpertsLists
 
@@ -488,3 +488,53 @@ def test_fused_kernel_casts_and_counts_like_the_reference_in_the_triton_interpre
     out = subprocess.run([sys.executable, "-c", FUSED_KERNEL_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "fused kernel ok" in out.stdout
+
+
+@pytest.mark.parametrize("shape,dtype", [((300, 61, 8), np.uint8), ((7, 3, 2), np.uint16), ((0, 4, 2), np.uint8), ((513,), np.int64)])
+def test_owned_copy_is_an_equal_array_of_its_own(shape, dtype):
+    rng = np.random.default_rng(3)
+    view = rng.integers(0, 200, size=(2 * shape[0] + 1, *shape[1:])).astype(dtype)[: shape[0]]
+    out = owned_copy(view)
+    assert out.shape == view.shape and out.dtype == view.dtype and out.flags.owndata
+    np.testing.assert_array_equal(out, view)
+    if out.size:
+        assert not np.shares_memory(out, view)
+
+
+def test_owned_copy_keeps_the_gil_where_numpy_lets_it_go():
+    """A thread spinning in Python gets no bytecode in while the copy runs: the engine's
+    other threads cannot take the GIL from a copy out of the ring and make it wait."""
+    import sys
+    import threading
+    import time
+
+    big = np.random.default_rng(4).integers(0, 255, size=(8192, 61, 16), dtype=np.uint8)
+    ticks, stop = [0], [False]
+
+    def spin():
+        while not stop[0]:
+            ticks[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.2)
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+
+    def ticks_during(copy):
+        time.sleep(0.005)  # the spinner runs; this thread then holds the GIL for a fresh interval
+        before = ticks[0]
+        copy(big)
+        return ticks[0] - before
+
+    try:
+        ours = [ticks_during(owned_copy) for _ in range(5)]
+        # the control: numpy's copy of the same bytes releases the GIL, and the spinner,
+        # once woken, runs (tried until it did: waking can take longer than one copy)
+        numpy_released = any(ticks_during(lambda a: np.array(a, copy=True)) for _ in range(50))
+    finally:
+        stop[0] = True
+        spinner.join()
+        sys.setswitchinterval(interval)
+    np.testing.assert_array_equal(owned_copy(big), big)
+    assert ours == [0] * 5
+    assert numpy_released

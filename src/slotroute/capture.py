@@ -370,8 +370,8 @@ class PendingSnapshot:
         data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
         slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
         if not self._lend:
-            data = data.copy()
-            slots = slots if self._host_slots is not None else slots.copy()
+            data = owned_copy(data)
+            slots = slots if self._host_slots is not None else owned_copy(slots)
         counts = host[counts_at:total].view(np.int32)
         bad = int(counts.sum()) if counts.any() else 0
         if slot.holder is self:
@@ -382,6 +382,17 @@ class PendingSnapshot:
             self._failed_slots = slots.copy() if self._lend else slots
         else:
             self._arrays = (data, slots)
+
+
+def owned_copy(view: np.ndarray) -> np.ndarray:
+    """A copy of the C-contiguous array ``view``, made while holding the GIL (one
+    memoryview slice assignment). numpy releases the GIL around a large copy; in an
+    engine whose other threads run Python, taking it back can wait a whole switch
+    interval (5 ms by default), many times the copy itself."""
+    out = np.empty(view.shape, view.dtype)
+    if out.size:
+        memoryview(out).cast("B")[:] = memoryview(view).cast("B")
+    return out
 
 
 def _range_error(
