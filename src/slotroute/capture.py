@@ -749,11 +749,12 @@ class RoutedExpertsCapturer:
                 None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
                 self._spec.num_experts, clear,
             )
+            in_ring = slot in self._ring
             pending = PendingSnapshot(
                 self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
-                lend=self._lend and slot in self._ring,
+                lend=self._lend and in_ring,
             )
-            if slot in self._ring:
+            if in_ring:
                 slot.holder = pending
             if not defer:
                 # NOTE 2: the copy stream reads only the slot's packed buffer, written by
@@ -792,6 +793,7 @@ class RoutedExpertsCapturer:
         if holder is not None:
             if not holder._own_stream:
                 return _RingSlot(max(nbytes, 1), self._device)
+            holder._lend = False  # its result is copied out, so that resolving it frees the slot
             holder._resolve()
         if slot.lent():
             if self._lend:
