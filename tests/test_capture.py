@@ -452,7 +452,7 @@ def test_a_cpu_capture_and_snapshot_never_import_triton():
 FUSED_KERNEL_CHECK = """
 import numpy as np, torch
 from slotroute import _capture_kernel
-from slotroute.capture import NOT_CAPTURED, PACK_BLOCK, pack_snapshot
+from slotroute.capture import NOT_CAPTURED, PACK_BLOCK, _packed_layout, pack_snapshot
 rng = np.random.default_rng(7)
 for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.int16, 3, 2)):
     n, rows_in_buffer = 700, 900
@@ -479,6 +479,17 @@ for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.
         pack_snapshot(ids2, fill, rows2, counts2, slots_in, slots2, num_experts, clear)
         assert int(counts2.sum()) == 3
         assert torch.equal(rows2, rows) and torch.equal(slots2, slots_out) and torch.equal(ids2, ids)
+        # a ring slot's whole buffer through views made once, with element offsets: the same bytes
+        row_bytes = layers * top_k * rows.element_size()
+        rows_end, slots_at, counts_at, total = _packed_layout(n, row_bytes, layers * top_k, True)
+        whole, ids3 = torch.full((total + 8 - total % 8,), 0x5A, dtype=torch.uint8), before.clone()
+        _capture_kernel.pack_snapshot(
+            ids3, fill, whole.view(dtype), whole.view(torch.int32), slots_in, whole.view(torch.int64), num_experts,
+            clear, PACK_BLOCK, numel=n * layers * top_k, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
+        )
+        assert torch.equal(whole[:rows_end].view(dtype), rows) and torch.equal(ids3, ids)
+        assert torch.equal(whole[slots_at:counts_at].view(torch.int64), slots_out)
+        assert torch.equal(whole[counts_at:total].view(torch.int32), counts)
 print("fused kernel ok")
 """
 

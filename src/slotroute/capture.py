@@ -213,12 +213,17 @@ class _RingSlot:
     the capturer's own stream after the kernel, ``copied`` (blocking: the host sleeps
     on it) follows that copy. ``holder`` is the unresolved snapshot using the slot; a
     resolved snapshot's arrays are views of ``host_np``, and the slot is :meth:`lent`
-    while any of them is alive."""
+    while any of them is alive. ``rows``, ``counts`` and ``slots`` view the whole
+    device buffer as the storage dtype, int32 and int64, made once: the kernel takes
+    them with element offsets, so a snapshot makes no view of its own (each torch call
+    on the hot path is a point where the GIL is let go)."""
 
-    __slots__ = ("device", "host", "host_np", "ready", "copied", "holder", "_free_refs")
+    __slots__ = ("device", "rows", "counts", "slots", "host", "host_np", "ready", "copied", "holder", "_free_refs")
 
-    def __init__(self, nbytes: int, device: torch.device):
+    def __init__(self, nbytes: int, device: torch.device, narrow: torch.dtype):
+        nbytes = -(-max(nbytes, 1) // 8) * 8  # whole int64s, for the slots' view
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.rows, self.counts, self.slots = (self.device.view(dtype) for dtype in (narrow, torch.int32, torch.int64))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host_np = self.host.numpy()
         self.ready = torch.cuda.Event()
@@ -485,6 +490,7 @@ class RoutedExpertsCapturer:
         self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
         # One view per layer, made once: capture() then slices a single dimension.
         self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
+        self._flat = self._buffer.view(-1)  # the snapshot kernel's view, made once
         # NOTE 3: a CPU snapshot reads the buffer through this numpy view of the same
         # memory: inside an engine step a numpy slice handed to one C call measured
         # cheaper than torch ops doing the same, while for capture() torch's copy_
@@ -505,7 +511,7 @@ class RoutedExpertsCapturer:
             self._narrow = _TORCH_STORAGE[spec.storage_dtype]
             self._copy_stream = torch.cuda.Stream(self._device)
             self._ring_capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
-            self._ring = [_RingSlot(self._ring_capacity, self._device) for _ in range(self._ring_depth)]
+            self._ring = [_RingSlot(self._ring_capacity, self._device, self._narrow) for _ in range(self._ring_depth)]
 
     @property
     def spec(self) -> RoutingSpec:
@@ -741,14 +747,22 @@ class RoutedExpertsCapturer:
         layout = _packed_layout(n, self._row_bytes, self._row_ids, slot_mapping is not None)
         rows_end, slots_at, counts_at, total = layout
         slot = self._acquire_slot(total)
-        packed = slot.device
         with torch.cuda.device(self._device):
-            pack_snapshot(
-                self._buffer.view(-1), self._fill, packed[:rows_end].view(self._narrow),
-                packed[counts_at:total].view(torch.int32), slot_mapping,
-                None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
-                self._spec.num_experts, clear,
-            )
+            kernel = _fused_kernel()
+            if kernel is not None:  # the ring slot's views, made once, and element offsets
+                kernel.pack_snapshot(
+                    self._flat, self._fill, slot.rows, slot.counts, slot_mapping,
+                    None if slot_mapping is None else slot.slots, self._spec.num_experts, clear, PACK_BLOCK,
+                    numel=n * self._row_ids, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
+                )
+            else:
+                packed = slot.device
+                pack_snapshot(
+                    self._flat, self._fill, packed[:rows_end].view(self._narrow),
+                    packed[counts_at:total].view(torch.int32), slot_mapping,
+                    None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
+                    self._spec.num_experts, clear,
+                )
             in_ring = slot in self._ring
             pending = PendingSnapshot(
                 self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
@@ -765,7 +779,7 @@ class RoutedExpertsCapturer:
                 self._copy_stream.wait_event(slot.ready)
                 with torch.cuda.stream(self._copy_stream):
                     if total:
-                        slot.host[:total].copy_(packed[:total], non_blocking=True)
+                        slot.host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.copied.record(self._copy_stream)
         return pending
 
@@ -792,7 +806,7 @@ class RoutedExpertsCapturer:
         holder = slot.holder
         if holder is not None:
             if not holder._own_stream:
-                return _RingSlot(max(nbytes, 1), self._device)
+                return _RingSlot(nbytes, self._device, self._narrow)
             holder._lend = False  # its result is copied out, so that resolving it frees the slot
             holder._resolve()
         if slot.lent():
@@ -803,8 +817,8 @@ class RoutedExpertsCapturer:
             slot = next((other for other in ring if other.holder is None and not other.lent()), None)
             if slot is None:
                 if len(ring) >= 2 * self._ring_depth:
-                    return _RingSlot(max(nbytes, 1), self._device)
-                slot = _RingSlot(self._ring_capacity, self._device)
+                    return _RingSlot(nbytes, self._device, self._narrow)
+                slot = _RingSlot(self._ring_capacity, self._device, self._narrow)
                 ring.insert(at, slot)
             at = ring.index(slot)
         self._next_slot = (at + 1) % len(ring)
