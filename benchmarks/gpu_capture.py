@@ -9,9 +9,11 @@ For each step size n it measures, as medians of CUDA-event-timed runs:
   for the fused Triton pass and the torch fallback;
 - baselines: D2H of the int32 rows (what vLLM ships), ``.to(uint8)`` + D2H (the cast
   without the check), and a D2H of the narrow bytes alone (the memcpy floor);
-- host side: the ``snapshot()`` call itself, the kernel's launch alone (arguments made
+- host side: the ``snapshot()`` call itself (and ``snapshot_leading(defer_copy=True)``,
+  as the V2 runner calls it), the kernel's launch alone (arguments made
   beforehand), and ``result()`` after the copy finished: lent (a view of the ring slot,
-  for a caller that drops results once read) and copied out (for one that keeps them).
+  for a caller that drops results once read) and in a pinned buffer of its own (for one
+  that keeps them; its ``snapshot()`` call, which allocates that buffer, is timed too).
 
 It also checks that ``snapshot()`` never synchronises with the device: under
 ``torch.cuda.set_sync_debug_mode("error")``, and by queueing it behind a long kernel.
@@ -103,16 +105,29 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repe
     def resolve(pending):
         pending.result()
 
+    row = torch.cat([slots, slots])  # a runner's slot-mapping row, longer than the step
+
+    def snap_deferred():  # as vLLM's V2 runner takes it: the copy left to its output stream
+        return cap.snapshot_leading(n, row, defer_copy=True)
+
+    def copy_and_resolve(pending):
+        pending.enqueue_copy()
+        torch.cuda.current_stream().synchronize()
+        pending.result()
+
     costs = {
         "device_us": event_median_us(snap, repeat, end_stream=cap.copy_stream, after=resolve),
         "host_call_us": host_median_us(snap, repeat, after=resolve),
+        "host_call_deferred_us": host_median_us(snap_deferred, repeat, after=copy_and_resolve),
     }
     # The result lent (a view of its ring slot: a caller that drops results once read)
-    # and copied out (one that keeps them), each mode set for the whole measurement: the
-    # timing loops above keep some results alive past the ring's turn.
-    for key, lend in (("result_host_us", True), ("result_copied_host_us", False)):
+    # and in a pinned buffer of its own (one that keeps them), each mode set for the
+    # whole measurement: the timing loops above keep some results alive past the ring's turn.
+    for key, lend in (("result_host_us", True), ("result_own_buffer_host_us", False)):
         cap._lend = lend
         costs[key] = host_median_us(resolve, repeat, before=snap)
+    cap._lend = False
+    costs["host_call_own_buffer_us"] = host_median_us(snap, repeat, after=resolve)
     cap._lend = True
     return costs
 
@@ -254,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'n':>5} {'cap/layer':>9} {'eager wall':>9} {'snapshot':>9} {'torch 2op':>9} {'int32 D2H':>9} "
         f"{'cast+D2H':>9} {'u8 memcpy':>9} {'vs int32':>8} {'vs memcpy':>9} {'snap host':>9} {'launch':>7} "
-        f"{'result':>8} {'copied':>8}"
+        f"{'result':>8} {'own buf':>8} {'own snap':>8}"
     )
     print(header)
     for r in rows:
@@ -263,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['snapshot_device_us']:>9.1f} {r['snapshot_torch_fallback_device_us']:>9.1f} {r['int32_d2h_us']:>9.1f} "
             f"{r['cast_then_d2h_us']:>9.1f} {r['narrow_memcpy_us']:>9.1f} {r['snapshot_vs_int32_d2h']:>8.2f} "
             f"{r['snapshot_vs_narrow_memcpy']:>9.2f} {r['snapshot_host_call_us']:>9.1f} {r['kernel_launch_host_us']:>7.1f} "
-            f"{r['snapshot_result_host_us']:>8.1f} {r['snapshot_result_copied_host_us']:>8.1f}"
+            f"{r['snapshot_result_host_us']:>8.1f} {r['snapshot_result_own_buffer_host_us']:>8.1f} "
+            f"{r['snapshot_host_call_own_buffer_us']:>8.1f}"
         )
     big = rows[-1]
     print(

@@ -250,6 +250,35 @@ def test_snapshot_returns_the_captured_rows_in_the_storage_dtype(cap, rng):
     np.testing.assert_array_equal(lists.slot_mapping, slots)
 
 
+def test_snapshot_leading_reads_the_first_num_tokens_slots_of_a_longer_row(cap, rng):
+    """The runner's slot-mapping row, as long as the largest step: its first
+    ``num_tokens`` entries key the step, and the buffer is cleared after the read."""
+    ref = routing(rng, 9)
+    row = torch.from_numpy(rng.permutation(200)[:MAX_TOKENS])
+    capture_all(cap, ref)
+    lists = cap.snapshot_leading(9, row).result()
+    np.testing.assert_array_equal(lists.routing_data, ref)
+    np.testing.assert_array_equal(lists.slot_mapping, row[:9].numpy())
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize(
+    "num_tokens, slots, match",
+    [
+        (9, torch.arange(5), r"shape \(9,\)"),
+        (9, torch.arange(MAX_TOKENS, dtype=torch.float32), "integers"),
+        (MAX_TOKENS + 1, torch.arange(64), "max_num_tokens"),
+        (-1, torch.arange(MAX_TOKENS), r"in \[0, 32\]"),
+    ],
+)
+def test_snapshot_leading_refuses_what_snapshot_refuses_and_changes_nothing(cap, rng, num_tokens, slots, match):
+    ref = routing(rng, 9)
+    capture_all(cap, ref)
+    with pytest.raises(ValueError, match=match):
+        cap.snapshot_leading(num_tokens, slots)
+    np.testing.assert_array_equal(captured(cap, 9), ref)
+
+
 def test_snapshot_uses_uint16_above_256_experts(rng):
     spec = RoutingSpec(num_layers=2, top_k=3, num_experts=300)
     cap = RoutedExpertsCapturer(spec, max_num_tokens=8, device="cpu")
@@ -479,12 +508,14 @@ for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.
         pack_snapshot(ids2, fill, rows2, counts2, slots_in, slots2, num_experts, clear)
         assert int(counts2.sum()) == 3
         assert torch.equal(rows2, rows) and torch.equal(slots2, slots_out) and torch.equal(ids2, ids)
-        # a ring slot's whole buffer through views made once, with element offsets: the same bytes
+        # a ring slot's whole buffer through views made once, with element offsets, and the
+        # slots read from the start of a longer row (snapshot_leading): the same bytes
         row_bytes = layers * top_k * rows.element_size()
         rows_end, slots_at, counts_at, total = _packed_layout(n, row_bytes, layers * top_k, True)
         whole, ids3 = torch.full((total + 8 - total % 8,), 0x5A, dtype=torch.uint8), before.clone()
+        longer = torch.cat([slots_in, torch.full((37,), -9, dtype=slots_in.dtype)])
         _capture_kernel.pack_snapshot(
-            ids3, fill, whole.view(dtype), whole.view(torch.int32), slots_in, whole.view(torch.int64), num_experts,
+            ids3, fill, whole.view(dtype), whole.view(torch.int32), longer, whole.view(torch.int64), num_experts,
             clear, PACK_BLOCK, numel=n * layers * top_k, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
         )
         assert torch.equal(whole[:rows_end].view(dtype), rows) and torch.equal(ids3, ids)

@@ -231,10 +231,11 @@ def test_results_are_views_of_the_ring_while_the_caller_drops_them(narrowing):
     assert not any(slot.lent() for slot in cap._ring)
 
 
-def test_results_kept_past_the_ring_stay_intact_and_later_ones_are_copies(narrowing):
+def test_results_kept_past_the_ring_stay_intact_and_later_ones_have_buffers_of_their_own(narrowing):
     """A caller that keeps every result (vLLM 0.28-0.30's in-process engine keeps decode
     rows until the request finishes): no later snapshot writes a kept view; once a slot
-    is found lent the capturer copies results out, and the kept views free their slots."""
+    is found lent each snapshot's copy fills a pinned buffer of its own (no copy out of
+    the ring), and the kept views free their slots."""
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=3)
     poison(cap)
     kept = []
@@ -246,9 +247,39 @@ def test_results_kept_past_the_ring_stay_intact_and_later_ones_are_copies(narrow
     for lists, ids, slots in kept:
         assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
     assert not cap._lend and len(cap._ring) <= 6
-    assert all(lists.routing_data.flags.owndata for lists, _, _ in kept[4:])
+    for lists, _, _ in kept[4:]:
+        for array in (lists.routing_data, lists.slot_mapping):
+            assert not array.flags.owndata  # a view, not a copy ...
+            assert not any(np.shares_memory(array, slot.host_np) for slot in cap._ring)  # ... of no ring buffer
+    assert len({lists.routing_data.ctypes.data for lists, _, _ in kept}) == len(kept)
     del kept, lists
     assert not any(slot.lent() for slot in cap._ring)
+
+
+def test_a_slot_mapping_row_longer_than_the_step_is_read_in_place(narrowing):
+    """``snapshot_leading``: the runner's slot-mapping row (a row of a 2-D tensor, as
+    long as the largest step) gives the step's first ``num_tokens`` slots; any other
+    input takes ``snapshot``'s checks and raises as it does, changing nothing."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=2)
+    mappings = torch.randperm(2 * 4096, device="cuda").view(2, 4096)
+    for step, n in enumerate((512, 7, 1, 300)):
+        ids = random_routing(DEEPSEEK, n, seed=700 + step)
+        capture_step(cap, ids)
+        lists = cap.snapshot_leading(n, mappings[1]).result()
+        assert_snapshot_equals(lists, ids, mappings[1, :n], DEEPSEEK)
+    ids = random_routing(DEEPSEEK, 16, seed=710)
+    capture_step(cap, ids)
+    for bad, match in (
+        (mappings[1, :8], r"shape \(16,\)"),
+        (mappings[1].float(), "integers"),
+        (mappings[1].cpu().numpy()[:4], r"shape \(16,\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            cap.snapshot_leading(16, bad)
+    with pytest.raises(ValueError, match="max_num_tokens"):
+        cap.snapshot_leading(513, mappings[1])
+    # nothing changed: the captured rows are still there for the step's snapshot
+    assert_snapshot_equals(cap.snapshot_leading(16, mappings[0]).result(), ids, mappings[0, :16], DEEPSEEK)
 
 
 def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):

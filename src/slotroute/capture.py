@@ -39,6 +39,8 @@ _TORCH_STORAGE = {np.dtype(np.uint8): torch.uint8, np.dtype(np.uint16): torch.in
 # Every integer dtype a router or a monolithic MoE kernel hands over (vLLM 0.32's
 # RoutedExpertsSink passes int16); the buffer's int32 copy widens or narrows on the device.
 _TOPK_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+# The slot mappings the kernel reads in place (RoutedExpertsCapturer.snapshot_leading).
+_SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def _int_tuple(name: str, values: Sequence[int] | None) -> tuple[int, ...] | None:
@@ -254,13 +256,13 @@ class PendingSnapshot:
     On CUDA it holds a slot of the capturer's ring until it is resolved. Its result is
     then a view of the slot's pinned host buffer, which no later snapshot writes while
     any view of it is alive, or, once the capturer found a slot still in use when its
-    turn came, a copy (NOTE 1). The first :meth:`result` call resolves it; later calls
+    turn came, a view of a pinned buffer of its own (NOTE 1). The first :meth:`result` call resolves it; later calls
     return the same object (or raise the same error). Made by :meth:`RoutedExpertsCapturer.snapshot`,
     not constructed directly.
     """
 
     __slots__ = (
-        "_spec", "_num_tokens", "_slot", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_lend",
+        "_spec", "_num_tokens", "_slot", "_host", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_lend",
         "_arrays", "_result", "_error", "_failed_slots",
     )
 
@@ -276,6 +278,7 @@ class PendingSnapshot:
         host_slots: np.ndarray | None = None,
         own_stream: bool = True,
         lend: bool = False,
+        host: torch.Tensor | None = None,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
@@ -284,6 +287,9 @@ class PendingSnapshot:
         self._failed_slots = failed_slots
         self._result = None
         self._slot = slot
+        # The pinned buffer the copy fills: the slot's own (lent or copied out of, by
+        # `lend`), or one allocated for this snapshot alone, whose views are the result.
+        self._host = host if host is not None or slot is None else slot.host
         self._layout = layout
         self._host_slots = host_slots
         self._own_stream = own_stream
@@ -306,7 +312,7 @@ class PendingSnapshot:
             return
         total = self._layout[3]
         if total:
-            self._slot.host[:total].copy_(self._slot.device[:total], non_blocking=True)
+            self._host[:total].copy_(self._slot.device[:total], non_blocking=True)
         self._copy_enqueued = True
 
     def done(self) -> bool:
@@ -323,8 +329,8 @@ class PendingSnapshot:
             storage dtype and ``slot_mapping`` (int64) of shape ``(num_tokens,)``:
             numpy arrays over host memory that belongs to this result alone (on CUDA,
             views of a ring slot that no later snapshot writes while one of them is
-            alive). ``None`` on a TP rank other than 0, which
-            ships nothing.
+            alive, or of the snapshot's own pinned buffer). ``None`` on a TP rank other
+            than 0, which ships nothing.
 
         Raises
         ------
@@ -360,8 +366,8 @@ class PendingSnapshot:
     def _resolve(self) -> None:
         # Bounded by the wait for the copy (the pipeline's only host wait, on a blocking
         # event, and none where the caller synchronised its own stream), a sum over the
-        # step's counts of bad ids and, where the slot is not lent, a memcpy of the
-        # step's bytes out of it.
+        # step's counts of bad ids and, for a held snapshot resolved to free its slot
+        # (NOTE 1), a memcpy of the step's bytes out of it.
         slot = self._slot
         if not self._copy_enqueued:  # deferred, and nobody enqueued the copy: do it now and wait
             with torch.cuda.device(slot.device.device):
@@ -371,20 +377,22 @@ class PendingSnapshot:
             slot.copied.synchronize()
         spec, n = self._spec, self._num_tokens
         rows_end, slots_at, counts_at, total = self._layout
-        host = slot.host_np
+        in_slot = self._host is slot.host
+        host = slot.host_np if in_slot else self._host.numpy()
         data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
         slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
-        if not self._lend:
+        copied_out = in_slot and not self._lend
+        if copied_out:
             data = owned_copy(data)
             slots = slots if self._host_slots is not None else owned_copy(slots)
         counts = host[counts_at:total].view(np.int32)
         bad = int(counts.sum()) if counts.any() else 0
         if slot.holder is self:
             slot.holder = None
-        self._slot = self._layout = self._host_slots = None
+        self._slot = self._host = self._layout = self._host_slots = None
         if bad:
             self._error = _range_error(spec, n, bad, data, slots)
-            self._failed_slots = slots.copy() if self._lend else slots
+            self._failed_slots = slots if copied_out else slots.copy()
         else:
             self._arrays = (data, slots)
 
@@ -716,6 +724,21 @@ class RoutedExpertsCapturer:
         device_slots = slot_mapping.contiguous() if on_device else None  # the kernel reads it flat
         return self._snapshot_async(n, device_slots, host_slots, clear, defer_copy)
 
+    def snapshot_leading(self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False) -> PendingSnapshot:
+        """:meth:`snapshot` with ``clear`` of the first ``num_tokens`` entries of
+        ``slots``, a runner's slot-mapping row that is longer than the step. On this
+        capturer's CUDA device (rank 0) the kernel reads them in place: one torch call
+        fewer per step than slicing. Anything else, a malformed call included, goes
+        through :meth:`snapshot` with the slice, and raises as it does."""
+        if (
+            self._host is None and self._tp_rank == 0 and type(num_tokens) is int
+            and 0 <= num_tokens <= self._max_num_tokens and isinstance(slots, torch.Tensor)
+            and slots.dtype in _SLOT_DTYPES and slots.device == self._device and slots.dim() == 1
+            and slots.shape[0] >= num_tokens and slots.is_contiguous()
+        ):
+            return self._snapshot_async(num_tokens, slots, None, True, defer_copy)
+        return self.snapshot(num_tokens, slots[:num_tokens], clear=True, defer_copy=defer_copy)
+
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
         # Bounded by one pass over n * num_layers * top_k int32s; for the small steps
         # of decoding, by the number of library calls, each slowed by the caches the
@@ -759,14 +782,18 @@ class RoutedExpertsCapturer:
                 packed = slot.device
                 pack_snapshot(
                     self._flat, self._fill, packed[:rows_end].view(self._narrow),
-                    packed[counts_at:total].view(torch.int32), slot_mapping,
+                    packed[counts_at:total].view(torch.int32), None if slot_mapping is None else slot_mapping[:n],
                     None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
                     self._spec.num_experts, clear,
                 )
             in_ring = slot in self._ring
+            # A slot of the ring lends its host buffer while the capturer lends; else this
+            # snapshot's copy fills a pinned buffer of its own from torch's caching host
+            # allocator, as vLLM's own path does, and its result is views of that (NOTE 1).
+            lend = self._lend or not in_ring
             pending = PendingSnapshot(
-                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
-                lend=self._lend and in_ring,
+                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer, lend=lend,
+                host=None if lend else torch.empty(total, dtype=torch.uint8, pin_memory=True),
             )
             if in_ring:
                 slot.holder = pending
@@ -779,7 +806,7 @@ class RoutedExpertsCapturer:
                 self._copy_stream.wait_event(slot.ready)
                 with torch.cuda.stream(self._copy_stream):
                     if total:
-                        slot.host[:total].copy_(slot.device[:total], non_blocking=True)
+                        pending._host[:total].copy_(slot.device[:total], non_blocking=True)
                     slot.copied.record(self._copy_stream)
         return pending
 
@@ -794,12 +821,15 @@ class RoutedExpertsCapturer:
         of its own, allocated now. One whose lent result is still in use when its turn
         comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
         keeps a view of each decode row until its request finishes): from then on the
-        capturer copies every result out of its slot instead of lending it, and this
-        step takes another free slot, or one added to the ring (at most twice its
+        capturer lends no ring buffer; each snapshot's copy fills a pinned buffer of
+        its own (torch's caching host allocator, as vLLM's own path does: no host
+        copy, and host memory held as long as the caller keeps rows of the step), and
+        this step takes another free slot, or one added to the ring (at most twice its
         depth), or buffers of its own. A runner whose steps in flight are fewer than
         the ring's slots, and that drops each step's result once it is read (vLLM
-        0.31+ stores the rows and drops them), takes none of these branches and never
-        copies a result.
+        0.31+ stores the rows and drops them), takes none of these branches and
+        allocates nothing per step. Only a held own-stream snapshot resolved to free
+        its slot copies its result out of the slot.
         """
         ring, at = self._ring, self._next_slot
         slot = ring[at]
@@ -812,7 +842,7 @@ class RoutedExpertsCapturer:
         if slot.lent():
             if self._lend:
                 logger.info("slotroute: a routing result was still in use when its ring slot came round "
-                            "again; results are copied out of the ring from now on")
+                            "again; each result gets pinned host memory of its own from now on")
             self._lend = False
             slot = next((other for other in ring if other.holder is None and not other.lent()), None)
             if slot is None:

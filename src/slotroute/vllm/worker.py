@@ -205,7 +205,7 @@ class WorkerRouting:
             As ``RoutedExpertsCapturer.snapshot``: a malformed slot mapping.
         """
         if self._rows_captured is None:
-            return self.capturer.snapshot(num_tokens, slots[:num_tokens], clear=True, defer_copy=defer_copy)
+            return self.capturer.snapshot_leading(num_tokens, slots, defer_copy=defer_copy)
         error = incomplete_capture(self._moe_layers, self._rows_captured, num_tokens)
         if error is not None:
             return PendingSnapshot(self.capturer.spec, num_tokens, error=error, failed_slots=slots.numpy()[:num_tokens].copy())
