@@ -98,7 +98,7 @@ def capture_costs(cap: RoutedExpertsCapturer, topk: list[torch.Tensor], repeat: 
     return {"graph_all_layers_us": replay, "graph_per_layer_us": replay / SPEC.num_layers, "eager_all_layers_wall_us": eager}
 
 
-def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repeat: int) -> dict:
+def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, ids: torch.Tensor, repeat: int) -> dict:
     def snap():
         return cap.snapshot(n, slots)
 
@@ -107,7 +107,10 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repe
 
     row = torch.cat([slots, slots])  # a runner's slot-mapping row, longer than the step
 
-    def snap_deferred():  # as vLLM's V2 runner takes it: the copy left to its output stream
+    def refill():  # snapshot_leading clears the buffer, as the runners' snapshots do
+        cap.get_device_buffer()[:n].copy_(ids)
+
+    def snap_deferred(_):  # as vLLM's V2 runner takes it: the copy left to its output stream
         return cap.snapshot_leading(n, row, defer_copy=True)
 
     def copy_and_resolve(pending):
@@ -118,7 +121,6 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repe
     costs = {
         "device_us": event_median_us(snap, repeat, end_stream=cap.copy_stream, after=resolve),
         "host_call_us": host_median_us(snap, repeat, after=resolve),
-        "host_call_deferred_us": host_median_us(snap_deferred, repeat, after=copy_and_resolve),
     }
     # The result lent (a view of its ring slot: a caller that drops results once read)
     # and in a pinned buffer of its own (one that keeps them), each mode set for the
@@ -129,6 +131,8 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, repe
     cap._lend = False
     costs["host_call_own_buffer_us"] = host_median_us(snap, repeat, after=resolve)
     cap._lend = True
+    costs["host_call_deferred_us"] = host_median_us(snap_deferred, repeat, after=copy_and_resolve, before=refill)
+    refill()
     return costs
 
 
@@ -194,11 +198,16 @@ def print_host_profile(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, 
     import io
     import pstats
 
-    def steps():
+    row = torch.cat([slots, slots])
+    ids = cap.get_device_buffer()[:n].clone()
+
+    def steps():  # as the V2 runner takes them: a slot-mapping row, the copy deferred to its stream
         for _ in range(repeat):
-            pending = cap.snapshot(n, slots)
+            pending = cap.snapshot_leading(n, row, defer_copy=True)
+            pending.enqueue_copy()
             torch.cuda.synchronize()
             pending.result()
+            cap.get_device_buffer()[:n].copy_(ids)
 
     steps()
     profiler = cProfile.Profile()
@@ -238,13 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         row = {"n": n, **capture_costs(cap, topk, args.repeat)}
         assert torch.equal(cap.get_device_buffer()[:n], ids)
         row.update(baselines(cap.get_device_buffer(), n, args.repeat))
-        fused = snapshot_costs(cap, n, slots, args.repeat)
+        fused = snapshot_costs(cap, n, slots, ids, args.repeat)
         row.update({f"snapshot_{k}": v for k, v in fused.items()})
         row["kernel_launch_host_us"] = kernel_launch_host_us(cap, n, args.repeat)
         fused_kernel = capture._fused_kernel
         capture._fused_kernel = lambda: None
         try:
-            fallback = snapshot_costs(cap, n, slots, args.repeat // 2)
+            fallback = snapshot_costs(cap, n, slots, ids, args.repeat // 2)
             row["snapshot_torch_fallback_device_us"] = fallback["device_us"]
             row["snapshot_torch_fallback_host_call_us"] = fallback["host_call_us"]
         finally:

@@ -210,6 +210,19 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         timer.wrap(runner_v2.StepRouting, "to_cpu_nonblocking", "worker")
         timer.wrap(runner_v2.StepRouting, "tolists", "worker")
         timer.wrap(runner_v1, "as_vllm_lists", "worker")
+    if config == "slotroute" and detail:  # where the worker's calls spend it
+        import torch
+
+        from slotroute import capture
+
+        for name in ("_snapshot_async", "_acquire_slot"):
+            timer.wrap(capture.RoutedExpertsCapturer, name, "detail")
+        for name in ("_resolve", "enqueue_copy"):
+            timer.wrap(capture.PendingSnapshot, name, "detail")
+        timer.wrap(capture, "_pinned", "detail")
+        kernel = capture._fused_kernel() if torch.cuda.is_available() else None
+        if kernel is not None:
+            timer.wrap(kernel, "pack_snapshot", "detail")
 
 
 WORKLOADS = ("rollout", "multi-turn", "multi-turn-start")

@@ -397,6 +397,12 @@ class PendingSnapshot:
             self._arrays = (data, slots)
 
 
+def _pinned(nbytes: int) -> torch.Tensor:
+    """A pinned host buffer of ``nbytes`` from torch's caching host allocator, which
+    reuses a freed one once the copies recorded on it completed."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
 def owned_copy(view: np.ndarray) -> np.ndarray:
     """A copy of the C-contiguous array ``view``, made while holding the GIL (one
     memoryview slice assignment). numpy releases the GIL around a large copy; in an
@@ -793,7 +799,7 @@ class RoutedExpertsCapturer:
             lend = self._lend or not in_ring
             pending = PendingSnapshot(
                 self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer, lend=lend,
-                host=None if lend else torch.empty(total, dtype=torch.uint8, pin_memory=True),
+                host=None if lend else _pinned(total),
             )
             if in_ring:
                 slot.holder = pending
