@@ -220,6 +220,7 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         for name in ("_resolve", "enqueue_copy"):
             timer.wrap(capture.PendingSnapshot, name, "detail")
         timer.wrap(capture, "_pinned", "detail")
+        timer.wrap(capture._RingSlot, "__init__", "detail")  # slots made after start: one-off or added
         kernel = capture._fused_kernel() if torch.cuda.is_available() else None
         if kernel is not None:
             timer.wrap(kernel, "pack_snapshot", "detail")
