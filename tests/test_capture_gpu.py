@@ -309,17 +309,18 @@ def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):
         assert_snapshot_equals(pending.result(), ids, expected, DEEPSEEK)
 
 
-def test_deferred_snapshots_beyond_the_ring_get_buffers_of_their_own(narrowing):
+def test_deferred_snapshots_beyond_the_ring_grow_it_then_get_buffers_of_their_own(narrowing):
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=256, device="cuda", ring_depth=2)
     steps = []
-    for step in range(5):  # none resolved: slots stay held, later steps allocate
+    for step in range(5):  # none resolved: slots stay held, the ring grows to twice its depth, then steps allocate
         ids = random_routing(DEEPSEEK, 256, seed=400 + step)
         capture_step(cap, ids)
         slots = torch.arange(256, device="cuda") * (step + 2)
         pending = cap.snapshot(256, slots, defer_copy=True)
         pending.enqueue_copy()
         steps.append((pending, ids, slots))
-    assert sum(pending._slot in cap._ring for pending, _, _ in steps) == 2
+    assert sum(pending._slot in cap._ring for pending, _, _ in steps) == 4 == len(cap._ring)
+    assert cap._lend  # held, not lent: lending goes on
     torch.cuda.synchronize()
     for pending, ids, slots in steps:
         assert_snapshot_equals(pending.result(), ids, slots, DEEPSEEK)

@@ -823,8 +823,11 @@ class RoutedExpertsCapturer:
         copy completed) and no view of its host buffer, a lent result's arrays, is
         alive. One still held by an own-stream snapshot is freed by resolving that
         snapshot (a host wait on its blocking event). One held by a deferred snapshot,
-        whose copy this capturer cannot wait for, is left alone: the step gets buffers
-        of its own, allocated now. One whose lent result is still in use when its turn
+        whose copy this capturer cannot wait for, is left alone: the step takes another
+        free slot, or one added to the ring (at most twice its depth: a runner that
+        keeps more steps in flight than its ``max_concurrent_batches`` says, as vLLM
+        0.29's in-process V2 engine does, grows the ring once instead of allocating
+        every step), or buffers of its own. One whose lent result is still in use when its turn
         comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
         keeps a view of each decode row until its request finishes): from then on the
         capturer lends no ring buffer; each snapshot's copy fills a pinned buffer of
@@ -840,16 +843,15 @@ class RoutedExpertsCapturer:
         ring, at = self._ring, self._next_slot
         slot = ring[at]
         holder = slot.holder
-        if holder is not None:
-            if not holder._own_stream:
-                return _RingSlot(nbytes, self._device, self._narrow)
+        if holder is not None and holder._own_stream:
             holder._lend = False  # its result is copied out, so that resolving it frees the slot
             holder._resolve()
-        if slot.lent():
-            if self._lend:
+            holder = None
+        if holder is not None or slot.lent():
+            if holder is None and self._lend:
                 logger.info("slotroute: a routing result was still in use when its ring slot came round "
                             "again; each result gets pinned host memory of its own from now on")
-            self._lend = False
+                self._lend = False
             slot = next((other for other in ring if other.holder is None and not other.lent()), None)
             if slot is None:
                 if len(ring) >= 2 * self._ring_depth:
