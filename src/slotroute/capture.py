@@ -218,7 +218,7 @@ class _RingSlot:
     while any of them is alive. ``rows``, ``counts`` and ``slots`` view the whole
     device buffer as the storage dtype, int32 and int64, made once: the kernel takes
     them with element offsets, so a snapshot makes no view of its own (each torch call
-    on the hot path is a point where the GIL is let go)."""
+    on the hot path costs several microseconds inside an engine step)."""
 
     __slots__ = ("device", "rows", "counts", "slots", "host", "host_np", "ready", "copied", "holder", "_free_refs")
 
@@ -256,13 +256,13 @@ class PendingSnapshot:
     On CUDA it holds a slot of the capturer's ring until it is resolved. Its result is
     then a view of the slot's pinned host buffer, which no later snapshot writes while
     any view of it is alive, or, once the capturer found a slot still in use when its
-    turn came, a view of a pinned buffer of its own (NOTE 1). The first :meth:`result` call resolves it; later calls
-    return the same object (or raise the same error). Made by :meth:`RoutedExpertsCapturer.snapshot`,
-    not constructed directly.
+    turn came, a view of a pinned buffer of its own (NOTE 1). The first :meth:`result`
+    call resolves it; later calls return the same object (or raise the same error).
+    Made by :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
     """
 
     __slots__ = (
-        "_spec", "_num_tokens", "_slot", "_host", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_lend",
+        "_spec", "_num_tokens", "_slot", "_host", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_copy_out",
         "_arrays", "_result", "_error", "_failed_slots",
     )
 
@@ -277,7 +277,6 @@ class PendingSnapshot:
         layout: tuple[int, int, int, int] | None = None,
         host_slots: np.ndarray | None = None,
         own_stream: bool = True,
-        lend: bool = False,
         host: torch.Tensor | None = None,
     ):
         self._spec = spec
@@ -287,14 +286,14 @@ class PendingSnapshot:
         self._failed_slots = failed_slots
         self._result = None
         self._slot = slot
-        # The pinned buffer the copy fills: the slot's own (lent or copied out of, by
-        # `lend`), or one allocated for this snapshot alone, whose views are the result.
+        # The pinned buffer the copy fills: the slot's own (lent, or copied out of where
+        # `_copy_out`), or `host`, allocated for this snapshot alone, whose views are the result.
         self._host = host if host is not None or slot is None else slot.host
         self._layout = layout
         self._host_slots = host_slots
         self._own_stream = own_stream
         self._copy_enqueued = own_stream
-        self._lend = lend
+        self._copy_out = False  # set by the ring for a held snapshot it resolves to free the slot (NOTE 1)
 
     @property
     def spec(self) -> RoutingSpec:
@@ -310,10 +309,14 @@ class PendingSnapshot:
         Bounded by one copy launch."""
         if self._slot is None or self._copy_enqueued:
             return
+        self._copy_to_host()
+        self._copy_enqueued = True
+
+    def _copy_to_host(self) -> None:
+        # The step's one device-to-host copy, on the current stream.
         total = self._layout[3]
         if total:
             self._host[:total].copy_(self._slot.device[:total], non_blocking=True)
-        self._copy_enqueued = True
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting. Never blocks."""
@@ -381,7 +384,7 @@ class PendingSnapshot:
         host = slot.host_np if in_slot else self._host.numpy()
         data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
         slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
-        copied_out = in_slot and not self._lend
+        copied_out = in_slot and self._copy_out
         if copied_out:
             data = owned_copy(data)
             slots = slots if self._host_slots is not None else owned_copy(slots)
@@ -793,13 +796,13 @@ class RoutedExpertsCapturer:
                     self._spec.num_experts, clear,
                 )
             in_ring = slot in self._ring
-            # A slot of the ring lends its host buffer while the capturer lends; else this
-            # snapshot's copy fills a pinned buffer of its own from torch's caching host
-            # allocator, as vLLM's own path does, and its result is views of that (NOTE 1).
-            lend = self._lend or not in_ring
+            # A slot of the ring lends its host buffer while the capturer lends (a one-off
+            # slot's is this snapshot's alone); else this snapshot's copy fills a pinned
+            # buffer of its own from torch's caching host allocator, as vLLM's own path
+            # does, and its result is views of that (NOTE 1).
             pending = PendingSnapshot(
-                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer, lend=lend,
-                host=None if lend else _pinned(total),
+                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
+                host=_pinned(total) if in_ring and not self._lend else None,
             )
             if in_ring:
                 slot.holder = pending
@@ -811,8 +814,7 @@ class RoutedExpertsCapturer:
                 slot.ready.record(torch.cuda.current_stream())
                 self._copy_stream.wait_event(slot.ready)
                 with torch.cuda.stream(self._copy_stream):
-                    if total:
-                        pending._host[:total].copy_(slot.device[:total], non_blocking=True)
+                    pending._copy_to_host()
                     slot.copied.record(self._copy_stream)
         return pending
 
@@ -827,8 +829,8 @@ class RoutedExpertsCapturer:
         free slot, or one added to the ring (at most twice its depth: a runner that
         keeps more steps in flight than its ``max_concurrent_batches`` says, as vLLM
         0.29's in-process V2 engine does, grows the ring once instead of allocating
-        every step), or buffers of its own. One whose lent result is still in use when its turn
-        comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
+        every step), or buffers of its own. One whose lent result is still in use when
+        its turn comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
         keeps a view of each decode row until its request finishes): from then on the
         capturer lends no ring buffer; each snapshot's copy fills a pinned buffer of
         its own (torch's caching host allocator, as vLLM's own path does: no host
@@ -844,7 +846,7 @@ class RoutedExpertsCapturer:
         slot = ring[at]
         holder = slot.holder
         if holder is not None and holder._own_stream:
-            holder._lend = False  # its result is copied out, so that resolving it frees the slot
+            holder._copy_out = True  # so that resolving it frees the slot
             holder._resolve()
             holder = None
         if holder is not None or slot.lent():
