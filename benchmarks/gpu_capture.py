@@ -123,7 +123,7 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, ids:
         "host_call_us": host_median_us(snap, repeat, after=resolve),
     }
     # The result lent (a view of its ring slot: a caller that drops results once read)
-    # and in a pinned buffer of its own (one that keeps them), each mode set for the
+    # and in a span of the capturer's pinned host pool (one that keeps them), each mode set for the
     # whole measurement: the timing loops above keep some results alive past the ring's turn.
     for key, lend in (("result_host_us", True), ("result_own_buffer_host_us", False)):
         cap._lend = lend
@@ -136,15 +136,35 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, ids:
     return costs
 
 
-def kernel_launch_host_us(cap: RoutedExpertsCapturer, n: int, repeat: int) -> float:
+def kernel_launch_host_us(cap: RoutedExpertsCapturer, n: int, repeat: int) -> dict:
     """Host time of the snapshot kernel's launch alone, its arguments made beforehand:
-    what of ``snapshot()``'s host call is Triton's launch."""
+    what of ``snapshot()``'s host call is the launch, through Triton's JIT launch and
+    through the capturer's launcher (the compiled kernel launched directly)."""
     kernel = capture._fused_kernel()
     slot = cap._ring[0]
     rows_end = n * SPEC.num_layers * SPEC.top_k
     counts = torch.empty(-(-rows_end // capture.PACK_BLOCK), dtype=torch.int32, device=cap.device_buffer.device)
     args = (cap.get_device_buffer().view(-1), cap._fill, slot.device[:rows_end], counts, None, None, SPEC.num_experts)
-    return host_median_us(lambda: kernel.pack_snapshot(*args, False, capture.PACK_BLOCK), repeat)
+    launcher = kernel.PackLauncher(cap.device.index)
+    return {
+        "kernel_launch_host_us": host_median_us(lambda: kernel.pack_snapshot(*args, False, capture.PACK_BLOCK), repeat),
+        "kernel_launch_direct_host_us": host_median_us(lambda: launcher(*args, False, capture.PACK_BLOCK), repeat),
+    }
+
+
+def pinned_allocation_us(sizes=(128 << 10, 4 << 20, 16 << 20, 64 << 20), count: int = 5) -> dict:
+    """Host time of a pinned allocation that torch's caching host allocator cannot serve
+    from its cache (every buffer kept, so each is new): the cost a step pays when the
+    caller keeps its rows, and a host pool's chunk pays once. Median of ``count``."""
+    costs = {}
+    for size in sizes:
+        kept, took = [], []
+        for _ in range(count):
+            started = time.perf_counter()
+            kept.append(torch.empty(size, dtype=torch.uint8, pin_memory=True))
+            took.append(time.perf_counter() - started)
+        costs[str(size)] = 1e6 * statistics.median(took)
+    return costs
 
 
 def baselines(buffer: torch.Tensor, n: int, repeat: int) -> dict:
@@ -249,15 +269,15 @@ def main(argv: list[str] | None = None) -> int:
         row.update(baselines(cap.get_device_buffer(), n, args.repeat))
         fused = snapshot_costs(cap, n, slots, ids, args.repeat)
         row.update({f"snapshot_{k}": v for k, v in fused.items()})
-        row["kernel_launch_host_us"] = kernel_launch_host_us(cap, n, args.repeat)
-        fused_kernel = capture._fused_kernel
-        capture._fused_kernel = lambda: None
+        row.update(kernel_launch_host_us(cap, n, args.repeat))
+        fused_kernel, launch = capture._fused_kernel, cap._launch
+        capture._fused_kernel, cap._launch = (lambda: None), None
         try:
             fallback = snapshot_costs(cap, n, slots, ids, args.repeat // 2)
             row["snapshot_torch_fallback_device_us"] = fallback["device_us"]
             row["snapshot_torch_fallback_host_call_us"] = fallback["host_call_us"]
         finally:
-            capture._fused_kernel = fused_kernel
+            capture._fused_kernel, cap._launch = fused_kernel, launch
         lists = cap.snapshot(n, slots).result()
         assert np.array_equal(lists.routing_data, ids.cpu().numpy().astype(np.uint8))
         assert np.array_equal(lists.slot_mapping, slots.cpu().numpy())
@@ -267,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     sync = no_host_sync(cap, max(SIZES), slots)
+    meta["pinned_allocation_us_by_bytes"] = pinned_allocation_us()
+    print(json.dumps({"pinned_allocation_us_by_bytes": meta["pinned_allocation_us_by_bytes"]}), flush=True)
     if args.profile:
         print_host_profile(cap, max(SIZES), slots, args.repeat)
     print(json.dumps(sync), flush=True)
@@ -277,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{meta['device']}: DeepSeek-V3 shape, medians of {args.repeat} CUDA-event-timed runs (us)")
     header = (
         f"{'n':>5} {'cap/layer':>9} {'eager wall':>9} {'snapshot':>9} {'torch 2op':>9} {'int32 D2H':>9} "
-        f"{'cast+D2H':>9} {'u8 memcpy':>9} {'vs int32':>8} {'vs memcpy':>9} {'snap host':>9} {'launch':>7} "
+        f"{'cast+D2H':>9} {'u8 memcpy':>9} {'vs int32':>8} {'vs memcpy':>9} {'snap host':>9} {'launch':>7} {'direct':>7} "
         f"{'result':>8} {'own buf':>8} {'own snap':>8}"
     )
     print(header)
@@ -286,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['n']:>5} {r['graph_per_layer_us']:>9.2f} {r['eager_all_layers_wall_us']:>9.1f} "
             f"{r['snapshot_device_us']:>9.1f} {r['snapshot_torch_fallback_device_us']:>9.1f} {r['int32_d2h_us']:>9.1f} "
             f"{r['cast_then_d2h_us']:>9.1f} {r['narrow_memcpy_us']:>9.1f} {r['snapshot_vs_int32_d2h']:>8.2f} "
-            f"{r['snapshot_vs_narrow_memcpy']:>9.2f} {r['snapshot_host_call_us']:>9.1f} {r['kernel_launch_host_us']:>7.1f} "
+            f"{r['snapshot_vs_narrow_memcpy']:>9.2f} {r['snapshot_host_call_us']:>9.1f} {r['kernel_launch_host_us']:>7.1f} {r['kernel_launch_direct_host_us']:>7.1f} "
             f"{r['snapshot_result_host_us']:>8.1f} {r['snapshot_result_own_buffer_host_us']:>8.1f} "
             f"{r['snapshot_host_call_own_buffer_us']:>8.1f}"
         )

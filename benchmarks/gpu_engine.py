@@ -44,6 +44,7 @@ is a smoke run that fits a CPU build of vLLM.)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -82,11 +83,24 @@ class Timer:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.samples: dict[str, list[float]] = {}  # every call's seconds, by label:method
+        self.gc_seconds: dict[int, float] = {}  # the garbage collector's, by generation
+        self.gc_runs: dict[int, int] = {}
+        self._gc_started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            generation = info["generation"]
+            self.gc_seconds[generation] = self.gc_seconds.get(generation, 0.0) + time.perf_counter() - self._gc_started
+            self.gc_runs[generation] = self.gc_runs.get(generation, 0) + 1
 
     def wrap(self, owner, name: str, label: str, on_call=None) -> None:
         inner = getattr(owner, name)
         keys = (label, f"{label}:{name}")
-        seconds, calls = self.seconds, self.calls
+        seconds, calls, samples = self.seconds, self.calls, self.samples
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -95,6 +109,7 @@ class Timer:
             for key in keys:
                 seconds[key] = seconds.get(key, 0.0) + took
                 calls[key] = calls.get(key, 0) + 1
+            samples.setdefault(keys[1], []).append(took)
             if on_call is not None:
                 on_call(args, result)
             return result
@@ -102,8 +117,8 @@ class Timer:
         setattr(owner, name, timed)
 
     def reset(self) -> None:
-        self.seconds.clear()
-        self.calls.clear()
+        for kept in (self.seconds, self.calls, self.samples, self.gc_seconds, self.gc_runs):
+            kept.clear()
 
 
 def is_connector_generation() -> bool:
@@ -219,11 +234,12 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
             timer.wrap(capture.RoutedExpertsCapturer, name, "detail")
         for name in ("_resolve", "enqueue_copy"):
             timer.wrap(capture.PendingSnapshot, name, "detail")
-        timer.wrap(capture, "_pinned", "detail")
+        timer.wrap(capture._HostPool, "take", "detail")
+        timer.wrap(capture._HostPool, "_next_chunk", "detail")  # a chunk reused or allocated
         timer.wrap(capture._RingSlot, "__init__", "detail")  # slots made after start: one-off or added
         kernel = capture._fused_kernel() if torch.cuda.is_available() else None
         if kernel is not None:
-            timer.wrap(kernel, "pack_snapshot", "detail")
+            timer.wrap(kernel.PackLauncher, "__call__", "detail")
 
 
 WORKLOADS = ("rollout", "multi-turn", "multi-turn-start")
@@ -316,6 +332,11 @@ def child(args) -> None:
             scheduler_calls_per_step=timer.calls.get("scheduler", 0) / steps,
             breakdown_us_per_step={k: 1e6 * v / steps for k, v in timer.seconds.items() if ":" in k},
             breakdown_calls_per_step={k: v / steps for k, v in timer.calls.items() if ":" in k},
+            # per call: the median and the largest (a garbage collection or a wait lands in one call)
+            breakdown_median_us={k: 1e6 * statistics.median(v) for k, v in timer.samples.items()},
+            breakdown_max_us={k: 1e6 * max(v) for k, v in timer.samples.items()},
+            gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
+            gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm

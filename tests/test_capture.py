@@ -532,6 +532,52 @@ def test_fused_kernel_casts_and_counts_like_the_reference_in_the_triton_interpre
     assert "fused kernel ok" in out.stdout
 
 
+def host_pool(min_chunk=4096, max_chunk=16384):
+    """A capturer's host pool over plain CPU memory (pinned memory needs CUDA): the
+    same spans and reuse, allocations counted."""
+    made = []
+
+    def allocate(nbytes):
+        made.append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    return capture_module._HostPool(min_chunk, max_chunk, allocate), made
+
+
+def test_host_pool_spans_in_use_never_overlap_and_chunks_grow_to_the_limit():
+    pool, made = host_pool()
+    rng = np.random.default_rng(5)
+    kept = []
+    for step in range(60):
+        nbytes = int(rng.integers(1, 3000))
+        buffer, at, view = pool.take(nbytes)
+        assert view.nbytes == nbytes and at % 64 == 0 and at + nbytes <= buffer.numel()
+        assert view.ctypes.data == buffer.data_ptr() + at  # the view is the span the copy fills
+        view[:] = step % 251
+        kept.append((view, step % 251))
+    for view, value in kept:  # no later span wrote over a kept one
+        assert (view == value).all()
+    # the pool doubles from the smallest chunk, then adds chunks of the largest
+    assert made[:4] == [4096, 4096, 8192, 16384] and set(made[4:]) <= {16384}
+    assert pool.nbytes == sum(made)
+    big = pool.take(40000)  # a step larger than the largest chunk gets a chunk of its size
+    assert made[-1] == 40000 and big[1] == 0
+
+
+def test_host_pool_reuses_a_chunk_once_no_view_of_it_is_alive():
+    pool, made = host_pool(min_chunk=1024, max_chunk=1024)
+    first = [pool.take(400) for _ in range(2)]
+    kept_row = first[1][2][10:20].view(np.int16).reshape(5, 1)  # a result's view of a view
+    second = [pool.take(400) for _ in range(2)]  # the first chunk is full: a new one
+    assert len(made) == 2
+    del first
+    third = pool.take(400)  # the first chunk still has a live view: a third chunk
+    assert len(made) == 3 and third[0] is not second[0][0]
+    del kept_row, second, third
+    again = pool.take(700)  # past the current chunk's end, every chunk unused: the first one, from its start
+    assert len(made) == 3 and again[1] == 0 and again[0] is pool._chunks[0][0]
+
+
 @pytest.mark.parametrize("shape,dtype", [((300, 61, 8), np.uint8), ((7, 3, 2), np.uint16), ((0, 4, 2), np.uint8), ((513,), np.int64)])
 def test_owned_copy_is_an_equal_array_of_its_own(shape, dtype):
     rng = np.random.default_rng(3)

@@ -231,11 +231,11 @@ def test_results_are_views_of_the_ring_while_the_caller_drops_them(narrowing):
     assert not any(slot.lent() for slot in cap._ring)
 
 
-def test_results_kept_past_the_ring_stay_intact_and_later_ones_have_buffers_of_their_own(narrowing):
+def test_results_kept_past_the_ring_stay_intact_and_later_ones_have_spans_of_their_own(narrowing):
     """A caller that keeps every result (vLLM 0.28-0.30's in-process engine keeps decode
     rows until the request finishes): no later snapshot writes a kept view; once a slot
-    is found lent each snapshot's copy fills a pinned buffer of its own (no copy out of
-    the ring), and the kept views free their slots."""
+    is found lent each snapshot's copy fills a span of its own in the capturer's pinned
+    host pool (no copy out of the ring), and the kept views free their slots."""
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=3)
     poison(cap)
     kept = []
@@ -252,8 +252,33 @@ def test_results_kept_past_the_ring_stay_intact_and_later_ones_have_buffers_of_t
             assert not array.flags.owndata  # a view, not a copy ...
             assert not any(np.shares_memory(array, slot.host_np) for slot in cap._ring)  # ... of no ring buffer
     assert len({lists.routing_data.ctypes.data for lists, _, _ in kept}) == len(kept)
+    assert len(cap._pool._chunks) == 1  # 8 steps of at most 512 tokens: one chunk
     del kept, lists
     assert not any(slot.lent() for slot in cap._ring)
+
+
+def test_the_host_pool_reuses_its_chunks_once_the_kept_results_are_dropped(narrowing):
+    """Rounds of kept results, as rollouts one after another: the first round allocates
+    the pool's chunks, later rounds reuse them (nothing allocated), every result intact."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=2048, device="cuda", ring_depth=2)
+    chunks_by_round = []
+    for round_ in range(3):
+        kept = []
+        for step in range(20):  # 20 x 2048 tokens x 488 B: past the first chunks
+            ids = random_routing(DEEPSEEK, 2048, seed=1000 * round_ + step)
+            capture_step(cap, ids)
+            slots = torch.randperm(8192, device="cuda")[:2048]
+            pending = cap.snapshot_leading(2048, slots, defer_copy=True)
+            pending.enqueue_copy()
+            torch.cuda.current_stream().synchronize()
+            kept.append((pending.result(), ids, slots))
+        for lists, ids, slots in kept:
+            assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+        chunks_by_round.append([buffer.data_ptr() for buffer, _ in cap._pool._chunks])
+        del kept, lists
+    # the first round's first steps were lent ring slots; from the second on every step takes a span
+    assert not cap._lend and len(chunks_by_round[1]) >= 3
+    assert chunks_by_round[2] == chunks_by_round[1]
 
 
 def test_a_slot_mapping_row_longer_than_the_step_is_read_in_place(narrowing):
@@ -332,6 +357,39 @@ def test_a_deferred_snapshot_whose_copy_nobody_enqueued_copies_when_resolved(nar
     capture_step(cap, ids)
     slots = torch.arange(64, device="cuda")
     assert_snapshot_equals(cap.snapshot(64, slots, defer_copy=True).result(), ids, slots, DEEPSEEK)
+
+
+def test_direct_launches_write_what_the_jit_launch_writes_for_every_specialisation():
+    """PackLauncher: a call whose pointers' dtypes or alignment, or whose flags, differ
+    from every earlier one compiles through Triton's JIT launch; repeats launch the
+    compiled kernel directly, and write the same bytes as a JIT launch of the same call."""
+    kernel = capture._fused_kernel()
+    if kernel is None:
+        pytest.fail("Triton is missing from this CUDA build of torch")
+    spec, row_ids = DEEPSEEK, DEEPSEEK.num_layers * DEEPSEEK.top_k
+    fill = torch.full((row_ids,), NOT_CAPTURED, dtype=torch.int32, device="cuda")
+    launcher = kernel.PackLauncher(torch.cuda.current_device())
+    mappings = torch.randperm(2 * 4096, device="cuda", dtype=torch.int64).view(2, 4096)
+    rows32 = mappings.to(torch.int32)
+    cases = []  # (slots row, clear): int64 and int32 rows, aligned and not (element 1 of an int32 row)
+    for slots_in, clear in ((mappings[1], True), (rows32[0], False), (rows32[0][1:], True), (None, True)):
+        cases += [(slots_in, clear, n) for n in (1, 300, 4095)]
+    for step, (slots_in, clear, n) in enumerate(cases * 2):
+        ids = random_routing(spec, 4096, seed=800 + step).view(-1)
+        ids[5 * row_ids + 3] = 999  # one bad id, in the step when n > 5
+        outputs = []
+        for launch in (launcher, kernel.pack_snapshot):  # direct after the first of each case; JIT
+            flat = ids.clone()
+            rows = torch.full((n * row_ids,), 0x5A, dtype=torch.uint8, device="cuda")
+            counts = torch.full((-(-(n * row_ids) // capture.PACK_BLOCK),), 77, dtype=torch.int32, device="cuda")
+            slots_out = None if slots_in is None else torch.full((n,), -3, dtype=torch.int64, device="cuda")
+            launch(flat, fill, rows, counts, slots_in, slots_out, spec.num_experts, clear, capture.PACK_BLOCK,
+                   numel=n * row_ids, num_slots=0 if slots_in is None else n)
+            outputs.append((flat, rows, counts, slots_out))
+        for mine, reference in zip(*outputs):
+            assert (mine is None and reference is None) or torch.equal(mine, reference)
+        assert int(outputs[0][2].sum()) == (1 if n > 5 else 0)
+    assert len(launcher._compiled) == 4  # one compiled kernel per case, every repeat launched directly
 
 
 def test_clearing_snapshot_leaves_the_buffer_cleared_with_dense_layers_at_zero(narrowing):

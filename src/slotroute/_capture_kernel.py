@@ -33,26 +33,82 @@ def _pack_kernel(
         tl.store(slots_out + slots_at + offsets, tl.load(slots_in + offsets, mask=copied, other=0).to(tl.int64), mask=copied)
 
 
+_INT32_MAX = (1 << 31) - 1
+
+
+class PackLauncher:
+    """The kernel's launches for one capturer, on the current stream of its device.
+
+    Invariant: a compiled kernel is launched directly only for a call whose every
+    property Triton specialises on (each pointer's dtype and 16-byte alignment, each
+    integer's width, the specialised integers' values and the constexprs) equals
+    that of the call which compiled it through Triton's JIT launch.
+
+    NOTE 1: Triton's JIT launch (``kernel[grid](...)``) binds and specialises every
+    argument, hashes a cache key and asks the driver for each tensor's pointer on
+    every call: most of a snapshot's host time inside an engine step. The compiled
+    kernel it returns is launched here directly (``CompiledKernel[grid](*args,
+    stream=...)``, the same call the JIT launch ends in, with the same arguments:
+    every parameter, constexprs included, in order; pointers as integers), keyed by
+    those properties; any call whose key is new goes through the JIT launch first.
+    """
+
+    def __init__(self, device_index: int) -> None:
+        self._compiled: dict[tuple, object] = {}
+        self._device_index = device_index
+        self._stream = None  # the driver's current-stream getter, taken at the first direct launch
+
+    def __call__(
+        self, ids, fill, rows, counts, slots_in, slots_out, num_experts: int, clear: bool, block: int,
+        numel: int | None = None, counts_at: int = 0, slots_at: int = 0, num_slots: int | None = None,
+    ) -> None:
+        """As :func:`pack_snapshot`. Bounded by the launch's Python calls (NOTE 1)."""
+        if numel is None:
+            numel = rows.numel()
+        clear_numel = ids.numel() if clear else 0
+        if num_slots is None:
+            num_slots = 0 if slots_out is None else slots_out.numel()
+        span = max(numel, clear_numel, num_slots)
+        if span == 0:
+            return
+        copy_slots = slots_out is not None
+        slots_in = rows if slots_in is None else slots_in
+        slots_out = counts if slots_out is None else slots_out
+        pointers = (ids, fill, rows, counts, slots_in, slots_out)
+        addresses = tuple(t.data_ptr() for t in pointers)
+        row_elems = fill.numel()
+        # Offsets past int32 make Triton type an argument int64: such a call always takes the JIT launch.
+        key = None if max(span, counts_at, slots_at) > _INT32_MAX else (
+            tuple(t.dtype for t in pointers), tuple(a & 15 == 0 for a in addresses), row_elems, num_experts,
+            copy_slots, clear, block,
+        )
+        grid = (-(-span // block),)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = _pack_kernel[grid](
+                *pointers, numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at,
+                COPY_SLOTS=copy_slots, CLEAR=clear, BLOCK=block,
+            )
+            if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):  # not under the interpreter
+                self._compiled[key] = compiled
+                self._stream = triton.runtime.driver.active.get_current_stream
+            return
+        compiled[grid](
+            *addresses, numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at,
+            copy_slots, clear, block, stream=self._stream(self._device_index),
+        )
+
+
 def pack_snapshot(
     ids, fill, rows, counts, slots_in, slots_out, num_experts: int, clear: bool, block: int,
     numel: int | None = None, counts_at: int = 0, slots_at: int = 0, num_slots: int | None = None,
 ) -> None:
-    """Launch the kernel on the current stream (arguments as
-    :func:`slotroute.capture.pack_snapshot` takes them; ``block`` ids per program).
+    """Launch the kernel on the current stream through Triton's JIT launch (arguments
+    as :func:`slotroute.capture.pack_snapshot` takes them; ``block`` ids per program).
     ``numel`` ids go to ``rows`` (default: all of it), the counts start at element
     ``counts_at`` of ``counts`` and the ``num_slots`` slots (default: all of
     ``slots_out``) at element ``slots_at`` of ``slots_out``: a ring slot's buffer is
-    passed whole, through views made once."""
-    if numel is None:
-        numel = rows.numel()
-    clear_numel = ids.numel() if clear else 0
-    if num_slots is None:
-        num_slots = 0 if slots_out is None else slots_out.numel()
-    span = max(numel, clear_numel, num_slots)
-    if span == 0:
-        return
-    _pack_kernel[(triton.cdiv(span, block),)](
-        ids, fill, rows, counts, rows if slots_in is None else slots_in, counts if slots_out is None else slots_out,
-        numel, clear_numel, fill.numel(), num_slots, num_experts, counts_at, slots_at,
-        COPY_SLOTS=slots_out is not None, CLEAR=clear, BLOCK=block,
-    )
+    passed whole, through views made once. A capturer's snapshots launch through its
+    :class:`PackLauncher` instead."""
+    PackLauncher(ids.device.index)(ids, fill, rows, counts, slots_in, slots_out, num_experts, clear, block,
+                                   numel, counts_at, slots_at, num_slots)

@@ -170,6 +170,8 @@ def _fused_kernel():
 
 # Ids each program of the snapshot kernel checks: one count of bad ids per PACK_BLOCK ids.
 PACK_BLOCK = 4096
+# Chunk sizes of a capturer's pinned host pool (_HostPool): doubling from the first to the last.
+_POOL_MIN_CHUNK, _POOL_MAX_CHUNK = 4 << 20, 64 << 20
 
 
 def pack_snapshot(
@@ -256,14 +258,15 @@ class PendingSnapshot:
     On CUDA it holds a slot of the capturer's ring until it is resolved. Its result is
     then a view of the slot's pinned host buffer, which no later snapshot writes while
     any view of it is alive, or, once the capturer found a slot still in use when its
-    turn came, a view of a pinned buffer of its own (NOTE 1). The first :meth:`result`
+    turn came, a view of a span of the capturer's pinned host pool that is this
+    snapshot's alone (NOTE 1). The first :meth:`result`
     call resolves it; later calls return the same object (or raise the same error).
     Made by :meth:`RoutedExpertsCapturer.snapshot`, not constructed directly.
     """
 
     __slots__ = (
-        "_spec", "_num_tokens", "_slot", "_host", "_layout", "_host_slots", "_own_stream", "_copy_enqueued", "_copy_out",
-        "_arrays", "_result", "_error", "_failed_slots",
+        "_spec", "_num_tokens", "_slot", "_host", "_host_at", "_host_np", "_layout", "_host_slots", "_own_stream",
+        "_copy_enqueued", "_copy_out", "_arrays", "_result", "_error", "_failed_slots",
     )
 
     def __init__(
@@ -277,7 +280,7 @@ class PendingSnapshot:
         layout: tuple[int, int, int, int] | None = None,
         host_slots: np.ndarray | None = None,
         own_stream: bool = True,
-        host: torch.Tensor | None = None,
+        host: tuple[torch.Tensor, int, np.ndarray] | None = None,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
@@ -286,9 +289,13 @@ class PendingSnapshot:
         self._failed_slots = failed_slots
         self._result = None
         self._slot = slot
-        # The pinned buffer the copy fills: the slot's own (lent, or copied out of where
-        # `_copy_out`), or `host`, allocated for this snapshot alone, whose views are the result.
-        self._host = host if host is not None or slot is None else slot.host
+        # The pinned bytes the copy fills, as a buffer, the offset in it and a numpy view
+        # from that offset: the slot's own (lent, or copied out of where `_copy_out`), or
+        # `host`, a span of the capturer's host pool for this snapshot alone, whose views
+        # are the result (the view keeps the span in use until then).
+        if host is None and slot is not None:
+            host = (slot.host, 0, slot.host_np)
+        self._host, self._host_at, self._host_np = host if host is not None else (None, 0, None)
         self._layout = layout
         self._host_slots = host_slots
         self._own_stream = own_stream
@@ -314,9 +321,9 @@ class PendingSnapshot:
 
     def _copy_to_host(self) -> None:
         # The step's one device-to-host copy, on the current stream.
-        total = self._layout[3]
+        total, at = self._layout[3], self._host_at
         if total:
-            self._host[:total].copy_(self._slot.device[:total], non_blocking=True)
+            self._host[at:at + total].copy_(self._slot.device[:total], non_blocking=True)
 
     def done(self) -> bool:
         """Whether :meth:`result` would return without waiting. Never blocks."""
@@ -332,7 +339,7 @@ class PendingSnapshot:
             storage dtype and ``slot_mapping`` (int64) of shape ``(num_tokens,)``:
             numpy arrays over host memory that belongs to this result alone (on CUDA,
             views of a ring slot that no later snapshot writes while one of them is
-            alive, or of the snapshot's own pinned buffer). ``None`` on a TP rank other
+            alive, or of the snapshot's own span of pinned memory). ``None`` on a TP rank other
             than 0, which ships nothing.
 
         Raises
@@ -380,19 +387,18 @@ class PendingSnapshot:
             slot.copied.synchronize()
         spec, n = self._spec, self._num_tokens
         rows_end, slots_at, counts_at, total = self._layout
-        in_slot = self._host is slot.host
-        host = slot.host_np if in_slot else self._host.numpy()
+        host = self._host_np
         data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
         slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
-        copied_out = in_slot and self._copy_out
+        copied_out = self._copy_out and host is slot.host_np
         if copied_out:
             data = owned_copy(data)
             slots = slots if self._host_slots is not None else owned_copy(slots)
-        counts = host[counts_at:total].view(np.int32)
-        bad = int(counts.sum()) if counts.any() else 0
+        # A nonzero byte among the counts is a nonzero count: the sum only then.
+        bad = int(host[counts_at:total].view(np.int32).sum()) if host[counts_at:total].any() else 0
         if slot.holder is self:
             slot.holder = None
-        self._slot = self._host = self._layout = self._host_slots = None
+        self._slot = self._host = self._host_np = self._layout = self._host_slots = None
         if bad:
             self._error = _range_error(spec, n, bad, data, slots)
             self._failed_slots = slots if copied_out else slots.copy()
@@ -401,9 +407,78 @@ class PendingSnapshot:
 
 
 def _pinned(nbytes: int) -> torch.Tensor:
-    """A pinned host buffer of ``nbytes`` from torch's caching host allocator, which
-    reuses a freed one once the copies recorded on it completed."""
+    """``nbytes`` of page-locked host memory (torch's caching host allocator)."""
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+class _HostPool:
+    """Pinned host memory for snapshots whose results the caller keeps (once the ring
+    stops lending, NOTE 1 of :meth:`RoutedExpertsCapturer._acquire_slot`): chunks,
+    each handed out front to back in spans, one per snapshot.
+
+    Invariant: a chunk is handed out from its start again only when no numpy view of it
+    is alive: a snapshot holds a view of its span from :meth:`take` until it resolves,
+    and its result's arrays are views of that.
+
+    NOTE 1: a snapshot's pinned buffer of its own from torch's caching host allocator
+    costs an allocation per step, and a new page-locked block per step for as long as
+    the caller keeps the rows (vLLM 0.28-0.30 keep each decode row until its request
+    finishes). A chunk holds many steps, so the page-locking happens once per chunk,
+    and chunks whose rows were all dropped are reused without any allocation. Chunks
+    grow with the pool (at least ``min_chunk``, at most ``max_chunk`` bytes unless a
+    step needs more) and are kept, as torch's allocator keeps its freed blocks. A
+    span's copy and a later copy into the same bytes are ordered by the stream both
+    are enqueued on (the capturer's copy stream, or the runner's output copy stream).
+    """
+
+    __slots__ = ("_chunks", "_buffer", "_array", "_offset", "_min_chunk", "_max_chunk", "_idle_refs", "_allocate")
+
+    def __init__(self, min_chunk: int, max_chunk: int, allocate=None) -> None:
+        self._chunks: list[tuple[torch.Tensor, np.ndarray]] = []  # each pinned buffer and its numpy view
+        self._buffer: torch.Tensor | None = None  # the chunk spans come from now
+        self._array: np.ndarray | None = None
+        self._offset = 0
+        self._min_chunk, self._max_chunk = min_chunk, max_chunk
+        self._idle_refs = 0  # _refs() of a chunk no view of which is alive, measured on the first
+        self._allocate = allocate or _pinned  # nbytes -> a uint8 CPU tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Pinned bytes the pool holds."""
+        return sum(buffer.numel() for buffer, _ in self._chunks)
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, int, np.ndarray]:
+        """A span of ``nbytes`` pinned bytes for one snapshot: its chunk's buffer, the
+        offset in it and a numpy view of the span (which keeps the chunk in use while
+        it or a view of it is alive). Bounded by a slice, except when the current chunk
+        is full: then a pass over the chunks, and an allocation if none is free."""
+        start = -(-self._offset // 64) * 64  # spans on cache lines
+        if self._buffer is None or start + nbytes > self._buffer.numel():
+            self._next_chunk(nbytes)
+            start = 0
+        self._offset = start + nbytes
+        return self._buffer, start, self._array[start:start + nbytes]
+
+    def in_use(self, chunk: tuple[torch.Tensor, np.ndarray]) -> bool:
+        """Whether a numpy view of ``chunk`` is alive (numpy collapses every view's
+        ``base`` to the chunk's array, so each holds one reference to it)."""
+        return self._refs(chunk) - (chunk[1] is self._array) > self._idle_refs
+
+    @staticmethod
+    def _refs(chunk: tuple[torch.Tensor, np.ndarray]) -> int:
+        array = chunk[1]
+        return sys.getrefcount(array)
+
+    def _next_chunk(self, nbytes: int) -> None:
+        chunk = next((c for c in self._chunks if c[0].numel() >= nbytes and not self.in_use(c)), None)
+        if chunk is None:
+            size = max(nbytes, min(max(self._min_chunk, self.nbytes), self._max_chunk))
+            buffer = self._allocate(size)
+            chunk = (buffer, buffer.numpy())
+            self._chunks.append(chunk)
+            if len(self._chunks) == 1:
+                self._idle_refs = self._refs(chunk)
+        self._buffer, self._array = chunk
 
 
 def owned_copy(view: np.ndarray) -> np.ndarray:
@@ -529,6 +604,9 @@ class RoutedExpertsCapturer:
             self._copy_stream = torch.cuda.Stream(self._device)
             self._ring_capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
             self._ring = [_RingSlot(self._ring_capacity, self._device, self._narrow) for _ in range(self._ring_depth)]
+            # Pinned spans for the results kept once the ring stops lending (NOTE 1 of _HostPool).
+            self._pool = _HostPool(max(_POOL_MIN_CHUNK, self._ring_capacity), _POOL_MAX_CHUNK)
+        self._launch = None  # the snapshot kernel's launcher, made by the first CUDA snapshot
 
     @property
     def spec(self) -> RoutingSpec:
@@ -780,9 +858,11 @@ class RoutedExpertsCapturer:
         rows_end, slots_at, counts_at, total = layout
         slot = self._acquire_slot(total)
         with torch.cuda.device(self._device):
-            kernel = _fused_kernel()
-            if kernel is not None:  # the ring slot's views, made once, and element offsets
-                kernel.pack_snapshot(
+            launch = self._launch
+            if launch is None:
+                launch = self._launch = self._launcher()
+            if launch is not pack_snapshot:  # the ring slot's views, made once, and element offsets
+                launch(
                     self._flat, self._fill, slot.rows, slot.counts, slot_mapping,
                     None if slot_mapping is None else slot.slots, self._spec.num_experts, clear, PACK_BLOCK,
                     numel=n * self._row_ids, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
@@ -797,12 +877,11 @@ class RoutedExpertsCapturer:
                 )
             in_ring = slot in self._ring
             # A slot of the ring lends its host buffer while the capturer lends (a one-off
-            # slot's is this snapshot's alone); else this snapshot's copy fills a pinned
-            # buffer of its own from torch's caching host allocator, as vLLM's own path
-            # does, and its result is views of that (NOTE 1).
+            # slot's is this snapshot's alone); else this snapshot's copy fills a span of
+            # the capturer's pinned host pool, and its result is views of that (NOTE 1).
             pending = PendingSnapshot(
                 self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
-                host=_pinned(total) if in_ring and not self._lend else None,
+                host=self._pool.take(total) if in_ring and not self._lend else None,
             )
             if in_ring:
                 slot.holder = pending
@@ -818,6 +897,13 @@ class RoutedExpertsCapturer:
                     slot.copied.record(self._copy_stream)
         return pending
 
+    def _launcher(self):
+        """What launches this capturer's snapshot kernel: the Triton kernel's
+        :class:`~slotroute._capture_kernel.PackLauncher`, or :func:`pack_snapshot`'s
+        torch ops where Triton is missing."""
+        kernel = _fused_kernel()
+        return pack_snapshot if kernel is None else kernel.PackLauncher(self._device.index)
+
     def _acquire_slot(self, nbytes: int) -> _RingSlot:
         """The next slot of the ring, for a snapshot of ``nbytes`` packed bytes.
 
@@ -832,9 +918,9 @@ class RoutedExpertsCapturer:
         every step), or buffers of its own. One whose lent result is still in use when
         its turn comes shows a caller that keeps results (vLLM 0.28-0.30's in-process engine
         keeps a view of each decode row until its request finishes): from then on the
-        capturer lends no ring buffer; each snapshot's copy fills a pinned buffer of
-        its own (torch's caching host allocator, as vLLM's own path does: no host
-        copy, and host memory held as long as the caller keeps rows of the step), and
+        capturer lends no ring buffer; each snapshot's copy fills a span of its own in
+        the capturer's pinned host pool (:class:`_HostPool`: no host copy, and host
+        memory held as long as the caller keeps rows of the span's chunk), and
         this step takes another free slot, or one added to the ring (at most twice its
         depth), or buffers of its own. A runner whose steps in flight are fewer than
         the ring's slots, and that drops each step's result once it is read (vLLM
