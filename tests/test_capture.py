@@ -262,6 +262,30 @@ def test_snapshot_leading_reads_the_first_num_tokens_slots_of_a_longer_row(cap, 
     assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
 
 
+def test_snapshot_leading_reads_a_row_of_the_runners_2d_slot_mappings(cap, rng):
+    """V2's slot mappings, one row per KV-cache group: ``row`` picks the group's row."""
+    ref = routing(rng, 9)
+    mappings = torch.from_numpy(rng.permutation(300)[: 2 * MAX_TOKENS].reshape(2, MAX_TOKENS))
+    capture_all(cap, ref)
+    lists = cap.snapshot_leading(9, mappings, row=1).result()
+    np.testing.assert_array_equal(lists.routing_data, ref)
+    np.testing.assert_array_equal(lists.slot_mapping, mappings[1, :9].numpy())
+    assert (captured(cap, MAX_TOKENS) == NOT_CAPTURED).all()
+
+
+@pytest.mark.parametrize(
+    "slots, row",
+    [(torch.zeros(2, MAX_TOKENS, dtype=torch.int64), 2), (torch.zeros(2, MAX_TOKENS, dtype=torch.int64), -1),
+     (torch.zeros(MAX_TOKENS, dtype=torch.int64), 0), (torch.zeros(2, MAX_TOKENS, dtype=torch.int64), 1.0)],
+)
+def test_snapshot_leading_refuses_a_row_the_slots_do_not_have_and_changes_nothing(cap, rng, slots, row):
+    ref = routing(rng, 9)
+    capture_all(cap, ref)
+    with pytest.raises(ValueError, match=r"row must be an int in \["):
+        cap.snapshot_leading(9, slots, row=row)
+    np.testing.assert_array_equal(captured(cap, 9), ref)
+
+
 @pytest.mark.parametrize(
     "num_tokens, slots, match",
     [

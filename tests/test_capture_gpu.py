@@ -287,11 +287,18 @@ def test_a_slot_mapping_row_longer_than_the_step_is_read_in_place(narrowing):
     input takes ``snapshot``'s checks and raises as it does, changing nothing."""
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=2)
     mappings = torch.randperm(2 * 4096, device="cuda").view(2, 4096)
+    mappings32 = mappings.to(torch.int32)[:, 1:]  # rows not 16-byte aligned, int32
     for step, n in enumerate((512, 7, 1, 300)):
-        ids = random_routing(DEEPSEEK, n, seed=700 + step)
-        capture_step(cap, ids)
-        lists = cap.snapshot_leading(n, mappings[1]).result()
-        assert_snapshot_equals(lists, ids, mappings[1, :n], DEEPSEEK)
+        for form in range(4):  # a row tensor; V2's 2-D mappings and a row index (int64, then int32 unaligned)
+            ids = random_routing(DEEPSEEK, n, seed=700 + 10 * step + form)
+            capture_step(cap, ids)
+            if form == 0:
+                lists, expected = cap.snapshot_leading(n, mappings[1]).result(), mappings[1, :n]
+            elif form < 3:
+                lists, expected = cap.snapshot_leading(n, mappings, row=form - 1).result(), mappings[form - 1, :n]
+            else:
+                lists, expected = cap.snapshot_leading(n, mappings32, row=1).result(), mappings32[1, :n]
+            assert_snapshot_equals(lists, ids, expected, DEEPSEEK)
     ids = random_routing(DEEPSEEK, 16, seed=710)
     capture_step(cap, ids)
     for bad, match in (
@@ -303,6 +310,8 @@ def test_a_slot_mapping_row_longer_than_the_step_is_read_in_place(narrowing):
             cap.snapshot_leading(16, bad)
     with pytest.raises(ValueError, match="max_num_tokens"):
         cap.snapshot_leading(513, mappings[1])
+    with pytest.raises(ValueError, match=r"row must be an int in \[0, 2\)"):
+        cap.snapshot_leading(16, mappings, row=2)
     # nothing changed: the captured rows are still there for the step's snapshot
     assert_snapshot_equals(cap.snapshot_leading(16, mappings[0]).result(), ids, mappings[0, :16], DEEPSEEK)
 

@@ -68,35 +68,38 @@ class PackLauncher:
         clear_numel = ids.numel() if clear else 0
         if num_slots is None:
             num_slots = 0 if slots_out is None else slots_out.numel()
-        span = max(numel, clear_numel, num_slots)
-        if span == 0:
-            return
         copy_slots = slots_out is not None
         slots_in = rows if slots_in is None else slots_in
         slots_out = counts if slots_out is None else slots_out
         pointers = (ids, fill, rows, counts, slots_in, slots_out)
         addresses = tuple(t.data_ptr() for t in pointers)
-        row_elems = fill.numel()
-        # Offsets past int32 make Triton type an argument int64: such a call always takes the JIT launch.
-        key = None if max(span, counts_at, slots_at) > _INT32_MAX else (
-            tuple(t.dtype for t in pointers), tuple(a & 15 == 0 for a in addresses), row_elems, num_experts,
-            copy_slots, clear, block,
-        )
-        grid = (-(-span // block),)
-        compiled = self._compiled.get(key)
-        if compiled is None:
-            compiled = _pack_kernel[grid](
-                *pointers, numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at,
-                COPY_SLOTS=copy_slots, CLEAR=clear, BLOCK=block,
-            )
-            if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):  # not under the interpreter
-                self._compiled[key] = compiled
-                self._stream = triton.runtime.driver.active.get_current_stream
+        sizes = (numel, clear_numel, fill.numel(), num_slots, num_experts, counts_at, slots_at)
+        key = (tuple(t.dtype for t in pointers), tuple(a & 15 == 0 for a in addresses), sizes[2], num_experts)
+        self.launch(key, addresses, sizes, (copy_slots, clear, block), lambda: pointers)
+
+    def launch(self, key: tuple, addresses: tuple, sizes: tuple, flags: tuple, tensors) -> None:
+        """Launch with the six pointer arguments as ``addresses`` (ints), ``sizes`` (the
+        seven integer arguments, in order) and ``flags`` (``COPY_SLOTS``, ``CLEAR``,
+        ``BLOCK``). ``key`` holds what Triton specialises on beyond ``flags`` and the
+        integers' widths (the pointers' dtypes and alignment, ``row_elems`` and
+        ``num_experts``); ``tensors()`` returns the six pointer arguments as tensors,
+        called only for a call whose key is new (the JIT launch specialises on them)."""
+        numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at = sizes
+        span = max(numel, clear_numel, num_slots)
+        if span == 0:
             return
-        compiled[grid](
-            *addresses, numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at,
-            copy_slots, clear, block, stream=self._stream(self._device_index),
-        )
+        grid = (-(-span // flags[2]), 1, 1)
+        # Offsets past int32 make Triton type an argument int64: such a call always takes the JIT launch.
+        key = None if max(span, counts_at, slots_at) > _INT32_MAX else (key, flags)
+        compiled = self._compiled.get(key)
+        if compiled is not None:
+            compiled[grid](*addresses, *sizes, *flags, stream=self._stream(self._device_index))
+            return
+        copy_slots, clear, block = flags
+        compiled = _pack_kernel[grid](*tensors(), *sizes, COPY_SLOTS=copy_slots, CLEAR=clear, BLOCK=block)
+        if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):  # not under the interpreter
+            self._compiled[key] = compiled
+            self._stream = triton.runtime.driver.active.get_current_stream
 
 
 def pack_snapshot(

@@ -222,11 +222,16 @@ class _RingSlot:
     them with element offsets, so a snapshot makes no view of its own (each torch call
     on the hot path costs several microseconds inside an engine step)."""
 
-    __slots__ = ("device", "rows", "counts", "slots", "host", "host_np", "ready", "copied", "holder", "_free_refs")
+    __slots__ = (
+        "device", "address", "rows", "counts", "slots", "host", "host_np", "ready", "copied", "holder", "_free_refs",
+    )
 
     def __init__(self, nbytes: int, device: torch.device, narrow: torch.dtype):
         nbytes = -(-max(nbytes, 1) // 8) * 8  # whole int64s, for the slots' view
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.address = self.device.data_ptr()  # every view's, for the kernel's launch
+        if self.address % 16:  # torch's CUDA allocations are aligned far beyond this
+            raise RuntimeError(f"a snapshot ring buffer at {self.address:#x} is not 16-byte aligned")
         self.rows, self.counts, self.slots = (self.device.view(dtype) for dtype in (narrow, torch.int32, torch.int64))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host_np = self.host.numpy()
@@ -388,14 +393,16 @@ class PendingSnapshot:
         spec, n = self._spec, self._num_tokens
         rows_end, slots_at, counts_at, total = self._layout
         host = self._host_np
-        data = host[:rows_end].view(spec.storage_dtype).reshape(n, *spec.token_shape)
-        slots = self._host_slots if self._host_slots is not None else host[slots_at:counts_at].view(np.int64)
+        # Each array in one numpy call (a view of `host`, whose base is the buffer's):
+        # inside an engine step every library call costs many times its isolated time.
+        data = np.ndarray((n, *spec.token_shape), spec.storage_dtype, host)
+        slots = self._host_slots if self._host_slots is not None else np.ndarray((n,), np.int64, host, slots_at)
         copied_out = self._copy_out and host is slot.host_np
         if copied_out:
             data = owned_copy(data)
             slots = slots if self._host_slots is not None else owned_copy(slots)
         # A nonzero byte among the counts is a nonzero count: the sum only then.
-        bad = int(host[counts_at:total].view(np.int32).sum()) if host[counts_at:total].any() else 0
+        bad = int(host[counts_at:total].view(np.int32).sum()) if host[counts_at:total].tobytes().strip(b"\0") else 0
         if slot.holder is self:
             slot.holder = None
         self._slot = self._host = self._host_np = self._layout = self._host_slots = None
@@ -606,6 +613,14 @@ class RoutedExpertsCapturer:
             self._ring = [_RingSlot(self._ring_capacity, self._device, self._narrow) for _ in range(self._ring_depth)]
             # Pinned spans for the results kept once the ring stops lending (NOTE 1 of _HostPool).
             self._pool = _HostPool(max(_POOL_MIN_CHUNK, self._ring_capacity), _POOL_MAX_CHUNK)
+            # What the kernel's launches take from this capturer, made once: the capture
+            # buffer's and the fill's addresses, and the fixed part of a launch's key
+            # (their dtypes and alignment, and the integers Triton specialises on; a ring
+            # slot's address is 16-byte aligned, and offsets fit int32 where Triton
+            # counts the step's ids in int32).
+            self._addresses = (self._flat.data_ptr(), self._fill.data_ptr())
+            self._launch_key = (self._narrow, self._addresses[0] % 16 == 0, self._addresses[1] % 16 == 0,
+                                self._row_ids, spec.num_experts)
         self._launch = None  # the snapshot kernel's launcher, made by the first CUDA snapshot
 
     @property
@@ -811,19 +826,43 @@ class RoutedExpertsCapturer:
         device_slots = slot_mapping.contiguous() if on_device else None  # the kernel reads it flat
         return self._snapshot_async(n, device_slots, host_slots, clear, defer_copy)
 
-    def snapshot_leading(self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False) -> PendingSnapshot:
+    def snapshot_leading(
+        self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False, row: int | None = None
+    ) -> PendingSnapshot:
         """:meth:`snapshot` with ``clear`` of the first ``num_tokens`` entries of
-        ``slots``, a runner's slot-mapping row that is longer than the step. On this
-        capturer's CUDA device (rank 0) the kernel reads them in place: one torch call
-        fewer per step than slicing. Anything else, a malformed call included, goes
-        through :meth:`snapshot` with the slice, and raises as it does."""
+        ``slots``, a runner's slot-mapping row that is longer than the step, or, with
+        ``row``, of row ``row`` of ``slots``, a runner's 2-D slot mappings (one row per
+        KV-cache group). On this capturer's CUDA device (rank 0) the kernel reads them
+        in place: no torch call per step to index or slice them. Anything else, a
+        malformed call included, goes through :meth:`snapshot` with the slice, and
+        raises as it does.
+
+        Raises
+        ------
+        ValueError
+            As :meth:`snapshot`, and if ``row`` is given and ``slots`` has no such row.
+        """
         if (
             self._host is None and self._tp_rank == 0 and type(num_tokens) is int
             and 0 <= num_tokens <= self._max_num_tokens and isinstance(slots, torch.Tensor)
-            and slots.dtype in _SLOT_DTYPES and slots.device == self._device and slots.dim() == 1
-            and slots.shape[0] >= num_tokens and slots.is_contiguous()
+            and slots.dtype in _SLOT_DTYPES and slots.is_cuda and slots.get_device() == self._device.index
         ):
-            return self._snapshot_async(num_tokens, slots, None, True, defer_copy)
+            if row is None:
+                if slots.dim() == 1 and slots.shape[0] >= num_tokens and slots.is_contiguous():
+                    return self._snapshot_async(num_tokens, slots, None, True, defer_copy)
+            elif (
+                type(row) is int and slots.dim() == 2 and 0 <= row < slots.shape[0]
+                and slots.shape[1] >= num_tokens and slots.stride(1) == 1
+            ):
+                return self._snapshot_async(num_tokens, slots, None, True, defer_copy, row)
+        if row is not None:
+            rows = slots.shape[0] if isinstance(slots, torch.Tensor) and slots.dim() == 2 else None
+            if rows is None or isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < rows:
+                raise ValueError(
+                    f"row must be an int in [0, {rows}) (the rows of a 2-D slots tensor), got row {row!r} "
+                    f"of {type(slots).__name__} of shape {tuple(getattr(slots, 'shape', ()))}"
+                )
+            slots = slots[int(row)]
         return self.snapshot(num_tokens, slots[:num_tokens], clear=True, defer_copy=defer_copy)
 
     def _snapshot_now(self, n: int, slots: np.ndarray) -> PendingSnapshot:
@@ -848,53 +887,73 @@ class RoutedExpertsCapturer:
         return PendingSnapshot(spec, n, arrays=(data, owned))
 
     def _snapshot_async(
-        self, n: int, slot_mapping: torch.Tensor | None, host_slots: np.ndarray | None, clear: bool, defer: bool
+        self, n: int, slot_mapping: torch.Tensor | None, host_slots: np.ndarray | None, clear: bool, defer: bool,
+        row: int | None = None,
     ) -> PendingSnapshot:
         # Host cost: one kernel launch and, with the capturer's own stream, two event
         # records, a stream wait and one copy launch; nothing is allocated. Device
         # cost: one pass over the int32 rows (memory bandwidth; over the whole buffer
         # with `clear`) and one D2H of the narrow bytes (host-link bandwidth).
+        # `slot_mapping` is 1-D, or 2-D with `row` the one to read.
+        if torch.cuda.current_device() != self._device.index:
+            with torch.cuda.device(self._device):
+                return self._snapshot_async(n, slot_mapping, host_slots, clear, defer, row)
         layout = _packed_layout(n, self._row_bytes, self._row_ids, slot_mapping is not None)
         rows_end, slots_at, counts_at, total = layout
         slot = self._acquire_slot(total)
-        with torch.cuda.device(self._device):
-            launch = self._launch
-            if launch is None:
-                launch = self._launch = self._launcher()
-            if launch is not pack_snapshot:  # the ring slot's views, made once, and element offsets
-                launch(
-                    self._flat, self._fill, slot.rows, slot.counts, slot_mapping,
-                    None if slot_mapping is None else slot.slots, self._spec.num_experts, clear, PACK_BLOCK,
-                    numel=n * self._row_ids, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
-                )
+        launch = self._launch
+        if launch is None:
+            launch = self._launch = self._launcher()
+        if launch is not pack_snapshot:  # the ring slot's address, element offsets and a key made of the capturer's
+            address = slot.address
+            if slot_mapping is None:  # placeholders the kernel does not read: the rows and counts
+                slots_address, slots_dtype, copy_slots = address, self._narrow, False
             else:
-                packed = slot.device
-                pack_snapshot(
-                    self._flat, self._fill, packed[:rows_end].view(self._narrow),
-                    packed[counts_at:total].view(torch.int32), None if slot_mapping is None else slot_mapping[:n],
-                    None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
-                    self._spec.num_experts, clear,
-                )
-            in_ring = slot in self._ring
-            # A slot of the ring lends its host buffer while the capturer lends (a one-off
-            # slot's is this snapshot's alone); else this snapshot's copy fills a span of
-            # the capturer's pinned host pool, and its result is views of that (NOTE 1).
-            pending = PendingSnapshot(
-                self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
-                host=self._pool.take(total) if in_ring and not self._lend else None,
+                slots_address, slots_dtype, copy_slots = slot_mapping.data_ptr(), slot_mapping.dtype, True
+                if row is not None:
+                    slots_address += row * slot_mapping.stride(0) * slot_mapping.element_size()
+
+            def tensors():  # the same arguments as tensors, for a launch Triton compiles
+                slots_in = slot.rows if slot_mapping is None else slot_mapping if row is None else slot_mapping[row]
+                return self._flat, self._fill, slot.rows, slot.counts, slots_in, slot.slots if copy_slots else slot.counts
+
+            launch.launch(
+                (self._launch_key, slots_dtype, slots_address % 16 == 0),
+                (*self._addresses, address, address, slots_address, address),
+                (n * self._row_ids, self._max_num_tokens * self._row_ids if clear else 0, self._row_ids, n if copy_slots else 0,
+                 self._spec.num_experts, counts_at // 4, slots_at // 8),
+                (copy_slots, clear, PACK_BLOCK), tensors,
             )
-            if in_ring:
-                slot.holder = pending
-            if not defer:
-                # NOTE 2: the copy stream reads only the slot's packed buffer, written by
-                # the kernel just enqueued on the compute stream; kernels enqueued there
-                # later (the next step overwriting the capture buffer and slot_mapping)
-                # cannot tear this snapshot.
-                slot.ready.record(torch.cuda.current_stream())
-                self._copy_stream.wait_event(slot.ready)
-                with torch.cuda.stream(self._copy_stream):
-                    pending._copy_to_host()
-                    slot.copied.record(self._copy_stream)
+        else:
+            packed = slot.device
+            if slot_mapping is not None:
+                slot_mapping = (slot_mapping if row is None else slot_mapping[row])[:n]
+            pack_snapshot(
+                self._flat, self._fill, packed[:rows_end].view(self._narrow),
+                packed[counts_at:total].view(torch.int32), slot_mapping,
+                None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
+                self._spec.num_experts, clear,
+            )
+        in_ring = slot in self._ring
+        # A slot of the ring lends its host buffer while the capturer lends (a one-off
+        # slot's is this snapshot's alone); else this snapshot's copy fills a span of
+        # the capturer's pinned host pool, and its result is views of that (NOTE 1).
+        pending = PendingSnapshot(
+            self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
+            host=self._pool.take(total) if in_ring and not self._lend else None,
+        )
+        if in_ring:
+            slot.holder = pending
+        if not defer:
+            # NOTE 2: the copy stream reads only the slot's packed buffer, written by
+            # the kernel just enqueued on the compute stream; kernels enqueued there
+            # later (the next step overwriting the capture buffer and slot_mapping)
+            # cannot tear this snapshot.
+            slot.ready.record(torch.cuda.current_stream())
+            self._copy_stream.wait_event(slot.ready)
+            with torch.cuda.stream(self._copy_stream):
+                pending._copy_to_host()
+                slot.copied.record(self._copy_stream)
         return pending
 
     def _launcher(self):

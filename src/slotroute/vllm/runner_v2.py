@@ -81,10 +81,10 @@ class StepCapture:
     def get_routed_experts(self, slot_mappings, num_tokens: int) -> StepRouting:
         """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is
         V2's ``(num_kv_cache_groups, max_num_tokens)`` device tensor, of which the
-        full-attention group's row keys the store. Bounded by one kernel launch: the
-        copy goes on V2's output copy stream (``to_cpu_nonblocking``)."""
-        slots = slot_mappings[self.routing.attn_gid]
-        return StepRouting(self.routing.snapshot_step(num_tokens, slots, defer_copy=True))
+        full-attention group's row keys the store (read in place: no view per step).
+        Bounded by one kernel launch: the copy goes on V2's output copy stream
+        (``to_cpu_nonblocking``)."""
+        return StepRouting(self.routing.snapshot_step(num_tokens, slot_mappings, True, self.routing.attn_gid))
 
 
 # -- patches ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ are the two adapters.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -189,9 +190,12 @@ class WorkerRouting:
             )
         return self.snapshot_step(n, state.slot_mappings[self.attn_layer])
 
-    def snapshot_step(self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False) -> PendingSnapshot:
+    def snapshot_step(
+        self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False, row: int | None = None
+    ) -> PendingSnapshot:
         """Start shipping rows ``[0, num_tokens)`` of this step with their KV slots
-        (``slots``, at least ``num_tokens`` long, on the host or the capture device).
+        (``slots``, at least ``num_tokens`` long, on the host or the capture device;
+        with ``row``, row ``row`` of the 2-D ``slots``, read in place on the device).
 
         On CPU, a step in which some MoE layer wrote fewer than the step's rows
         yields a snapshot whose ``result()`` raises ``ValueError`` naming the layers;
@@ -205,7 +209,9 @@ class WorkerRouting:
             As ``RoutedExpertsCapturer.snapshot``: a malformed slot mapping.
         """
         if self._rows_captured is None:
-            return self.capturer.snapshot_leading(num_tokens, slots, defer_copy=defer_copy)
+            return self.capturer.snapshot_leading(num_tokens, slots, defer_copy, row)
+        if row is not None:
+            slots = slots[row]
         error = incomplete_capture(self._moe_layers, self._rows_captured, num_tokens)
         if error is not None:
             return PendingSnapshot(self.capturer.spec, num_tokens, error=error, failed_slots=slots.numpy()[:num_tokens].copy())
@@ -235,8 +241,6 @@ def as_vllm_lists(pending: PendingSnapshot):
     holding no rows and the KV slots the step wrote (:func:`is_failed_step`), so that
     the scheduler fails the step's requests alone and the engine serves on. The worker
     logs the failure."""
-    from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists  # vLLM 0.28-0.30
-
     try:
         arrays = pending.arrays()
     except ValueError as error:
@@ -246,10 +250,19 @@ def as_vllm_lists(pending: PendingSnapshot):
         slots = pending.failed_slots()
         if slots is None or not len(slots):  # no slot known: still a failure, dropping no block
             slots = np.full(1, -1, dtype=np.int64)
-        return VllmRoutedExpertsLists(routing_data=rows, slot_mapping=slots)
+        return _vllm_lists_type()(routing_data=rows, slot_mapping=slots)
     if arrays is None:
         return None
-    return VllmRoutedExpertsLists(routing_data=arrays[0], slot_mapping=arrays[1])
+    return _vllm_lists_type()(routing_data=arrays[0], slot_mapping=arrays[1])
+
+
+@functools.cache
+def _vllm_lists_type():
+    """vLLM 0.28-0.30's ``RoutedExpertsLists``, imported once (a per-step import
+    statement is a dictionary lookup and an attribute read that the step can skip)."""
+    from vllm.v1.outputs import RoutedExpertsLists
+
+    return RoutedExpertsLists
 
 
 def step_output(pending: PendingSnapshot):
