@@ -4,14 +4,16 @@ For each step size n it measures, as medians of CUDA-event-timed runs:
 
 - capture: the 61 ``capture()`` calls of one step recorded in a CUDA graph and replayed
   (per layer), and the wall time of the same calls run eagerly (launch-bound, for reference);
-- snapshot: range check + cast to uint8 + D2H into pinned memory, from the event before
-  ``snapshot()`` on the compute stream to the event after the copy on the copy stream,
-  for the fused Triton pass and the torch fallback;
+- snapshot: range check + cast to uint8 + the bytes into pinned memory, from the event
+  before ``snapshot()`` on the compute stream to the event after the kernel there (the
+  kernel writing the pinned memory itself, the default) or after the copy on the copy
+  stream (staged on the device: ``host_writes=False``, and the torch fallback);
 - baselines: D2H of the int32 rows (what vLLM ships), ``.to(uint8)`` + D2H (the cast
   without the check), and a D2H of the narrow bytes alone (the memcpy floor);
 - host side: the ``snapshot()`` call itself (and ``snapshot_leading(defer_copy=True)``,
-  as the V2 runner calls it), the kernel's launch alone (arguments made
-  beforehand), and ``result()`` after the copy finished: lent (a view of the ring slot,
+  as the V2 runner calls it), of both the default and the staged capturer, the kernel's
+  launch alone (arguments made beforehand: through Triton's JIT launch, the compiled
+  kernel's launcher called directly, and ``CompiledKernel[grid]``), and ``result()`` after the copy finished: lent (a view of the ring slot,
   for a caller that drops results once read) and in a pinned buffer of its own (for one
   that keeps them; its ``snapshot()`` call, which allocates that buffer, is timed too).
 
@@ -118,8 +120,11 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, ids:
         torch.cuda.current_stream().synchronize()
         pending.result()
 
+    # Written in place by the kernel, the bytes are on the host when the compute
+    # stream passes its end event; staged, when the copy stream passes it.
+    end_stream = None if cap._direct and cap._launch is not capture.pack_snapshot else cap.copy_stream
     costs = {
-        "device_us": event_median_us(snap, repeat, end_stream=cap.copy_stream, after=resolve),
+        "device_us": event_median_us(snap, repeat, end_stream=end_stream, after=resolve),
         "host_call_us": host_median_us(snap, repeat, after=resolve),
     }
     # The result lent (a view of its ring slot: a caller that drops results once read)
@@ -146,9 +151,14 @@ def kernel_launch_host_us(cap: RoutedExpertsCapturer, n: int, repeat: int) -> di
     counts = torch.empty(-(-rows_end // capture.PACK_BLOCK), dtype=torch.int32, device=cap.device_buffer.device)
     args = (cap.get_device_buffer().view(-1), cap._fill, slot.device[:rows_end], counts, None, None, SPEC.num_experts)
     launcher = kernel.PackLauncher(cap.device.index)
+    # The compiled kernel through Triton's CompiledKernel[grid] (what a hooked launch
+    # takes, NOTE 2 of PackLauncher): a launcher that sees a hook set.
+    through_triton = kernel.PackLauncher(cap.device.index)
+    through_triton._unhooked = lambda: False
     return {
         "kernel_launch_host_us": host_median_us(lambda: kernel.pack_snapshot(*args, False, capture.PACK_BLOCK), repeat),
         "kernel_launch_direct_host_us": host_median_us(lambda: launcher(*args, False, capture.PACK_BLOCK), repeat),
+        "kernel_launch_compiled_getitem_host_us": host_median_us(lambda: through_triton(*args, False, capture.PACK_BLOCK), repeat),
     }
 
 
@@ -259,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{meta['device']}, torch {meta['torch']}, CUDA {meta['cuda']}, triton {meta['triton']}", flush=True)
     rows = []
     cap = RoutedExpertsCapturer(SPEC, max_num_tokens=max(SIZES), device="cuda")
+    # The same snapshots staged on the device and copied (host_writes=False), against
+    # the kernel writing pinned host memory itself (the default, NOTE 3 of capture.py).
+    staged = RoutedExpertsCapturer(SPEC, max_num_tokens=max(SIZES), device="cuda", host_writes=False)
     for n in SIZES:
         gen = torch.Generator(device="cuda").manual_seed(n)
         ids = torch.randint(0, SPEC.num_experts, (n, *SPEC.token_shape), generator=gen, device="cuda", dtype=torch.int32)
@@ -269,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         row.update(baselines(cap.get_device_buffer(), n, args.repeat))
         fused = snapshot_costs(cap, n, slots, ids, args.repeat)
         row.update({f"snapshot_{k}": v for k, v in fused.items()})
+        staged.get_device_buffer()[:n].copy_(ids)
+        row.update({f"snapshot_staged_{k}": v for k, v in snapshot_costs(staged, n, slots, ids, args.repeat).items()})
+        row["snapshot_direct_vs_staged_device"] = row["snapshot_device_us"] / row["snapshot_staged_device_us"]
         row.update(kernel_launch_host_us(cap, n, args.repeat))
         fused_kernel, launch = capture._fused_kernel, cap._launch
         capture._fused_kernel, cap._launch = (lambda: None), None
@@ -300,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"{'n':>5} {'cap/layer':>9} {'eager wall':>9} {'snapshot':>9} {'torch 2op':>9} {'int32 D2H':>9} "
         f"{'cast+D2H':>9} {'u8 memcpy':>9} {'vs int32':>8} {'vs memcpy':>9} {'snap host':>9} {'launch':>7} {'direct':>7} "
-        f"{'result':>8} {'own buf':>8} {'own snap':>8}"
+        f"{'result':>8} {'own buf':>8} {'own snap':>8} {'staged':>8} {'st host':>8} {'getitem':>8}"
     )
     print(header)
     for r in rows:
@@ -310,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['cast_then_d2h_us']:>9.1f} {r['narrow_memcpy_us']:>9.1f} {r['snapshot_vs_int32_d2h']:>8.2f} "
             f"{r['snapshot_vs_narrow_memcpy']:>9.2f} {r['snapshot_host_call_us']:>9.1f} {r['kernel_launch_host_us']:>7.1f} {r['kernel_launch_direct_host_us']:>7.1f} "
             f"{r['snapshot_result_host_us']:>8.1f} {r['snapshot_result_own_buffer_host_us']:>8.1f} "
-            f"{r['snapshot_host_call_own_buffer_us']:>8.1f}"
+            f"{r['snapshot_host_call_own_buffer_us']:>8.1f} {r['snapshot_staged_device_us']:>8.1f} "
+            f"{r['snapshot_staged_host_call_us']:>8.1f} {r['kernel_launch_compiled_getitem_host_us']:>8.1f}"
         )
     big = rows[-1]
     print(

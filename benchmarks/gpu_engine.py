@@ -239,7 +239,7 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         timer.wrap(capture._RingSlot, "__init__", "detail")  # slots made after start: one-off or added
         kernel = capture._fused_kernel() if torch.cuda.is_available() else None
         if kernel is not None:
-            timer.wrap(kernel.PackLauncher, "__call__", "detail")
+            timer.wrap(kernel.PackLauncher, "launch", "detail")
 
 
 WORKLOADS = ("rollout", "multi-turn", "multi-turn-start")

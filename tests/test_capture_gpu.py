@@ -274,7 +274,7 @@ def test_the_host_pool_reuses_its_chunks_once_the_kept_results_are_dropped(narro
             kept.append((pending.result(), ids, slots))
         for lists, ids, slots in kept:
             assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
-        chunks_by_round.append([buffer.data_ptr() for buffer, _ in cap._pool._chunks])
+        chunks_by_round.append([chunk[0].data_ptr() for chunk in cap._pool._chunks])
         del kept, lists
     # the first round's first steps were lent ring slots; from the second on every step takes a span
     assert not cap._lend and len(chunks_by_round[1]) >= 3
@@ -399,6 +399,78 @@ def test_direct_launches_write_what_the_jit_launch_writes_for_every_specialisati
             assert (mine is None and reference is None) or torch.equal(mine, reference)
         assert int(outputs[0][2].sum()) == (1 if n > 5 else 0)
     assert len(launcher._compiled) == 4  # one compiled kernel per case, every repeat launched directly
+
+
+def test_the_kernel_writes_pinned_host_memory_itself_as_a_staged_copy_would(narrowing):
+    """``host_writes``: with Triton the kernel writes each snapshot's bytes into its
+    pinned host span (the ring slot's, then, once results are kept, the host pool's),
+    with no copy; the staged path (``host_writes=False``, and the torch fallback)
+    copies them. Both give the same results on the own stream and on a caller's
+    output stream."""
+    caps = [RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=1024, device="cuda", ring_depth=2, host_writes=direct)
+            for direct in (True, False)]
+    for cap in caps:
+        poison(cap)
+    out_stream = torch.cuda.Stream()
+    kept = []
+    for step in range(10):
+        n = (1024, 1, 333, 64, 1024)[step % 5]
+        ids = random_routing(DEEPSEEK, n, seed=900 + step)
+        slots = torch.randperm(4 * n, device="cuda")[:n]
+        results = []
+        for cap in caps:
+            capture_step(cap, ids)
+            defer = step % 2 == 1
+            pending = cap.snapshot(n, slots, clear=True, defer_copy=defer)
+            assert pending._direct == (cap is caps[0] and narrowing == "triton")
+            if defer:
+                out_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(out_stream):
+                    pending.enqueue_copy()
+                out_stream.synchronize()
+            results.append(pending.result())
+        for lists in results:
+            assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+        if step >= 4:
+            kept.append((results, ids, slots))  # kept past the ring: from here on spans of the pool
+    assert not caps[0]._lend and caps[0]._pool.nbytes > 0
+    if narrowing == "triton":
+        assert all(chunk[2] is not None for chunk in caps[0]._pool._chunks)
+        assert all(chunk[2] is None for chunk in caps[1]._pool._chunks)
+    for results, ids, slots in kept:
+        for lists in results:
+            assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+
+
+def test_a_hooked_launch_goes_through_triton_and_writes_the_same():
+    """While a profiler's launch hook is set, repeat launches go through Triton's own
+    launch, which calls it; without hooks they skip it. Both write the same bytes."""
+    kernel = capture._fused_kernel()
+    if kernel is None:
+        pytest.fail("Triton is missing from this CUDA build of torch")
+    import triton
+
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=256, device="cuda")
+    slots = torch.arange(256, device="cuda") * 3
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    hooks = triton.knobs.runtime.launch_enter_hook
+    for step in range(6):
+        hooked = step in (3, 4)
+        if hooked:
+            hooks.add(hook) if hasattr(hooks, "add") else setattr(triton.knobs.runtime, "launch_enter_hook", hook)
+        try:
+            ids = random_routing(DEEPSEEK, 200, seed=950 + step)
+            capture_step(cap, ids)
+            lists = cap.snapshot_leading(200, slots).result()
+        finally:
+            if hooked:
+                hooks.remove(hook) if hasattr(hooks, "remove") else setattr(triton.knobs.runtime, "launch_enter_hook", hooks)
+        assert_snapshot_equals(lists, ids, slots[:200], DEEPSEEK)
+        assert len(seen) == (0 if step < 3 else 1 if step == 3 else 2)  # the first launch compiled: no hook then
 
 
 def test_clearing_snapshot_leaves_the_buffer_cleared_with_dense_layers_at_zero(narrowing):

@@ -51,12 +51,20 @@ class PackLauncher:
     stream=...)``, the same call the JIT launch ends in, with the same arguments:
     every parameter, constexprs included, in order; pointers as integers), keyed by
     those properties; any call whose key is new goes through the JIT launch first.
+
+    NOTE 2: even the compiled kernel's launch spends most of its time in Python: a
+    closure per call, a metadata dict for the launch hooks and two calls of the hook
+    chains, empty unless a profiler hooked launches. While both chains are empty the
+    kernel's launcher (``CompiledKernel.run``, the call ``CompiledKernel[grid]`` ends
+    in, of the same signature in Triton 3.5-3.7) is called directly with no hooks and
+    no metadata; a hooked launch goes through ``CompiledKernel[grid]``.
     """
 
     def __init__(self, device_index: int) -> None:
-        self._compiled: dict[tuple, object] = {}
+        self._compiled: dict[tuple, tuple] = {}  # key -> (compiled kernel, its launcher, function, metadata)
         self._device_index = device_index
         self._stream = None  # the driver's current-stream getter, taken at the first direct launch
+        self._runtime = getattr(getattr(triton, "knobs", None), "runtime", None)  # where the launch hooks live
 
     def __call__(
         self, ids, fill, rows, counts, slots_in, slots_out, num_experts: int, clear: bool, block: int,
@@ -91,15 +99,37 @@ class PackLauncher:
         grid = (-(-span // flags[2]), 1, 1)
         # Offsets past int32 make Triton type an argument int64: such a call always takes the JIT launch.
         key = None if max(span, counts_at, slots_at) > _INT32_MAX else (key, flags)
-        compiled = self._compiled.get(key)
-        if compiled is not None:
-            compiled[grid](*addresses, *sizes, *flags, stream=self._stream(self._device_index))
+        entry = self._compiled.get(key)
+        if entry is not None:
+            compiled, run, function, metadata = entry
+            stream = self._stream(self._device_index)
+            if run is not None and self._unhooked():
+                run(grid[0], 1, 1, stream, function, metadata, None, None, None, *addresses, *sizes, *flags)  # NOTE 2
+            else:
+                compiled[grid](*addresses, *sizes, *flags, stream=stream)
             return
         copy_slots, clear, block = flags
         compiled = _pack_kernel[grid](*tensors(), *sizes, COPY_SLOTS=copy_slots, CLEAR=clear, BLOCK=block)
         if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):  # not under the interpreter
-            self._compiled[key] = compiled
+            self._compiled[key] = self._launcher_of(compiled)
             self._stream = triton.runtime.driver.active.get_current_stream
+
+    def _unhooked(self) -> bool:
+        """Whether no launch hook is set (each is ``None`` or an empty hook chain)."""
+        enter, leave = self._runtime.launch_enter_hook, self._runtime.launch_exit_hook
+        return (enter is None or not getattr(enter, "calls", True)) and (leave is None or not getattr(leave, "calls", True))
+
+    def _launcher_of(self, compiled) -> tuple:
+        """``compiled`` and what calling its launcher takes (NOTE 2): the launcher,
+        the kernel's handle and its packed metadata, or three ``None`` where this
+        Triton lacks any of them (then ``CompiledKernel[grid]`` launches it)."""
+        parts = (None, None, None)
+        if self._runtime is not None and hasattr(compiled, "_init_handles"):
+            compiled._init_handles()
+            found = tuple(getattr(compiled, name, None) for name in ("run", "function", "packed_metadata"))
+            if None not in found and hasattr(self._runtime, "launch_enter_hook"):
+                parts = found
+        return (compiled, *parts)
 
 
 def pack_snapshot(

@@ -9,6 +9,7 @@ scheduler. ``docs/capture.md`` walks through the layouts and the snapshot pipeli
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import sys
@@ -212,10 +213,12 @@ def pack_snapshot(
 
 class _RingSlot:
     """One entry of the capturer's snapshot ring (CUDA, TP rank 0), allocated once: the
-    packed device buffer the snapshot kernel writes, the pinned host buffer the step's
-    one device-to-host copy fills, and two events made once: ``ready`` orders a copy on
-    the capturer's own stream after the kernel, ``copied`` (blocking: the host sleeps
-    on it) follows that copy. ``holder`` is the unresolved snapshot using the slot; a
+    packed device buffer the snapshot kernel writes where it stages (NOTE 3 of
+    ``RoutedExpertsCapturer._snapshot_async``), the pinned host buffer that the kernel writes
+    directly at ``mapped`` (its address for a kernel; ``None`` where it stages) or the
+    step's one device-to-host copy fills, and two events made once: ``ready`` orders a
+    copy on the capturer's own stream after the kernel, ``copied`` (blocking: the host
+    sleeps on it) follows the kernel, or that copy. ``holder`` is the unresolved snapshot using the slot; a
     resolved snapshot's arrays are views of ``host_np``, and the slot is :meth:`lent`
     while any of them is alive. ``rows``, ``counts`` and ``slots`` view the whole
     device buffer as the storage dtype, int32 and int64, made once: the kernel takes
@@ -223,10 +226,11 @@ class _RingSlot:
     on the hot path costs several microseconds inside an engine step)."""
 
     __slots__ = (
-        "device", "address", "rows", "counts", "slots", "host", "host_np", "ready", "copied", "holder", "_free_refs",
+        "device", "address", "rows", "counts", "slots", "host", "host_np", "mapped", "ready", "copied", "holder",
+        "_free_refs",
     )
 
-    def __init__(self, nbytes: int, device: torch.device, narrow: torch.dtype):
+    def __init__(self, nbytes: int, device: torch.device, narrow: torch.dtype, direct: bool = False):
         nbytes = -(-max(nbytes, 1) // 8) * 8  # whole int64s, for the slots' view
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.address = self.device.data_ptr()  # every view's, for the kernel's launch
@@ -235,6 +239,7 @@ class _RingSlot:
         self.rows, self.counts, self.slots = (self.device.view(dtype) for dtype in (narrow, torch.int32, torch.int64))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host_np = self.host.numpy()
+        self.mapped = mapped_address(self.host) if direct else None
         self.ready = torch.cuda.Event()
         self.copied = torch.cuda.Event(blocking=True)
         self.holder: PendingSnapshot | None = None
@@ -271,7 +276,7 @@ class PendingSnapshot:
 
     __slots__ = (
         "_spec", "_num_tokens", "_slot", "_host", "_host_at", "_host_np", "_layout", "_host_slots", "_own_stream",
-        "_copy_enqueued", "_copy_out", "_arrays", "_result", "_error", "_failed_slots",
+        "_copy_enqueued", "_copy_out", "_arrays", "_result", "_error", "_failed_slots", "_direct",
     )
 
     def __init__(
@@ -286,6 +291,7 @@ class PendingSnapshot:
         host_slots: np.ndarray | None = None,
         own_stream: bool = True,
         host: tuple[torch.Tensor, int, np.ndarray] | None = None,
+        direct: bool = False,
     ):
         self._spec = spec
         self._num_tokens = num_tokens
@@ -306,6 +312,7 @@ class PendingSnapshot:
         self._own_stream = own_stream
         self._copy_enqueued = own_stream
         self._copy_out = False  # set by the ring for a held snapshot it resolves to free the slot (NOTE 1)
+        self._direct = direct  # the kernel wrote the host bytes itself: no copy (NOTE 3 of _snapshot_async)
 
     @property
     def spec(self) -> RoutingSpec:
@@ -317,17 +324,19 @@ class PendingSnapshot:
         snapshot taken with ``defer_copy=True``: call it on a stream ordered after the
         one that took the snapshot (vLLM's output copy stream, which waits for its
         main stream), and synchronise that stream, or an event recorded on it after
-        this call, before :meth:`result`. A no-op for any other snapshot.
-        Bounded by one copy launch."""
+        this call, before :meth:`result`. A no-op for any other snapshot. Bounded by
+        one copy launch, and none where the kernel wrote the host bytes itself (NOTE 3
+        of ``RoutedExpertsCapturer._snapshot_async``): the stream's order then does it."""
         if self._slot is None or self._copy_enqueued:
             return
         self._copy_to_host()
         self._copy_enqueued = True
 
     def _copy_to_host(self) -> None:
-        # The step's one device-to-host copy, on the current stream.
+        # The step's one device-to-host copy, on the current stream; none where the
+        # kernel wrote the host bytes.
         total, at = self._layout[3], self._host_at
-        if total:
+        if total and not self._direct:
             self._host[at:at + total].copy_(self._slot.device[:total], non_blocking=True)
 
     def done(self) -> bool:
@@ -418,6 +427,28 @@ def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+@functools.cache
+def _cuda_driver():
+    """The CUDA driver library, or ``None`` where it cannot be loaded."""
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
+def mapped_address(host: torch.Tensor) -> int | None:
+    """The address at which a kernel on the current CUDA device writes the pinned host
+    tensor ``host`` (``CU_POINTER_ATTRIBUTE_DEVICE_POINTER``; under unified addressing
+    its own), or ``None`` where the driver maps none: the snapshot then stages its
+    bytes on the device and copies them."""
+    driver = _cuda_driver()
+    if driver is None or not host.is_pinned():
+        return None
+    address = ctypes.c_uint64()
+    status = driver.cuPointerGetAttribute(ctypes.byref(address), 3, ctypes.c_uint64(host.data_ptr()))
+    return address.value if status == 0 and address.value else None
+
+
 class _HostPool:
     """Pinned host memory for snapshots whose results the caller keeps (once the ring
     stops lending, NOTE 1 of :meth:`RoutedExpertsCapturer._acquire_slot`): chunks,
@@ -434,58 +465,69 @@ class _HostPool:
     and chunks whose rows were all dropped are reused without any allocation. Chunks
     grow with the pool (at least ``min_chunk``, at most ``max_chunk`` bytes unless a
     step needs more) and are kept, as torch's allocator keeps its freed blocks. A
-    span's copy and a later copy into the same bytes are ordered by the stream both
-    are enqueued on (the capturer's copy stream, or the runner's output copy stream).
+    span's writes and later writes into the same bytes are ordered by the stream both
+    are enqueued on: the snapshot kernel's (the forward's stream), where it writes the
+    span itself, or the copy's (the capturer's copy stream, or the runner's output
+    copy stream).
     """
 
-    __slots__ = ("_chunks", "_buffer", "_array", "_offset", "_min_chunk", "_max_chunk", "_idle_refs", "_allocate")
+    __slots__ = (
+        "_chunks", "_buffer", "_array", "_offset", "_min_chunk", "_max_chunk", "_idle_refs", "_allocate", "_map",
+        "mapped",
+    )
 
-    def __init__(self, min_chunk: int, max_chunk: int, allocate=None) -> None:
-        self._chunks: list[tuple[torch.Tensor, np.ndarray]] = []  # each pinned buffer and its numpy view
+    def __init__(self, min_chunk: int, max_chunk: int, allocate=None, map_chunk=None) -> None:
+        # Each chunk: its pinned buffer, a numpy view of it and the address a kernel writes it at (or None).
+        self._chunks: list[tuple[torch.Tensor, np.ndarray, int | None]] = []
         self._buffer: torch.Tensor | None = None  # the chunk spans come from now
         self._array: np.ndarray | None = None
+        self.mapped: int | None = None  # the current chunk's address for a kernel, where it has one
         self._offset = 0
         self._min_chunk, self._max_chunk = min_chunk, max_chunk
         self._idle_refs = 0  # _refs() of a chunk no view of which is alive, measured on the first
         self._allocate = allocate or _pinned  # nbytes -> a uint8 CPU tensor
+        self._map = map_chunk  # buffer -> its address for a kernel, or None
 
     @property
     def nbytes(self) -> int:
         """Pinned bytes the pool holds."""
-        return sum(buffer.numel() for buffer, _ in self._chunks)
+        return sum(chunk[0].numel() for chunk in self._chunks)
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, int, np.ndarray]:
-        """A span of ``nbytes`` pinned bytes for one snapshot: its chunk's buffer, the
-        offset in it and a numpy view of the span (which keeps the chunk in use while
-        it or a view of it is alive). Bounded by a slice, except when the current chunk
-        is full: then a pass over the chunks, and an allocation if none is free."""
-        start = -(-self._offset // 64) * 64  # spans on cache lines
+        """A span of at least ``nbytes`` pinned bytes for one snapshot, a whole number
+        of 64-byte lines: its chunk's buffer, the offset in it (a multiple of 64) and a
+        numpy view of the span (which keeps the chunk in use while it or a view of it
+        is alive); :attr:`mapped` is then the chunk's address for a kernel. Bounded by
+        a slice, except when the current chunk is full: then a pass over the chunks,
+        and an allocation if none is free."""
+        nbytes = -(-nbytes // 64) * 64  # every span whole cache lines: viewed as int64 and int32 alike
+        start = self._offset
         if self._buffer is None or start + nbytes > self._buffer.numel():
             self._next_chunk(nbytes)
             start = 0
         self._offset = start + nbytes
         return self._buffer, start, self._array[start:start + nbytes]
 
-    def in_use(self, chunk: tuple[torch.Tensor, np.ndarray]) -> bool:
+    def in_use(self, chunk: tuple[torch.Tensor, np.ndarray, int | None]) -> bool:
         """Whether a numpy view of ``chunk`` is alive (numpy collapses every view's
         ``base`` to the chunk's array, so each holds one reference to it)."""
         return self._refs(chunk) - (chunk[1] is self._array) > self._idle_refs
 
     @staticmethod
-    def _refs(chunk: tuple[torch.Tensor, np.ndarray]) -> int:
+    def _refs(chunk: tuple[torch.Tensor, np.ndarray, int | None]) -> int:
         array = chunk[1]
         return sys.getrefcount(array)
 
     def _next_chunk(self, nbytes: int) -> None:
         chunk = next((c for c in self._chunks if c[0].numel() >= nbytes and not self.in_use(c)), None)
         if chunk is None:
-            size = max(nbytes, min(max(self._min_chunk, self.nbytes), self._max_chunk))
+            size = -(-max(nbytes, min(max(self._min_chunk, self.nbytes), self._max_chunk)) // 64) * 64
             buffer = self._allocate(size)
-            chunk = (buffer, buffer.numpy())
+            chunk = (buffer, buffer.numpy(), None if self._map is None else self._map(buffer))
             self._chunks.append(chunk)
             if len(self._chunks) == 1:
                 self._idle_refs = self._refs(chunk)
-        self._buffer, self._array = chunk
+        self._buffer, self._array, self.mapped = chunk
 
 
 def owned_copy(view: np.ndarray) -> np.ndarray:
@@ -550,6 +592,10 @@ class RoutedExpertsCapturer:
         pinned host buffers, allocated once; a snapshot taken while every slot is in
         flight waits for the oldest (own-stream copies) or gets a buffer of its own
         (deferred copies). vLLM's runners need their ``max_concurrent_batches`` + 1.
+    host_writes
+        Whether a CUDA snapshot's kernel writes its bytes straight into pinned host
+        memory (the default, where the driver maps it: no copy per step) or stages
+        them on the device for one device-to-host copy (NOTE 3 of ``_snapshot_async``).
 
     Raises
     ------
@@ -566,6 +612,7 @@ class RoutedExpertsCapturer:
         tp_group: dist.ProcessGroup | None = None,
         dense_layers: Sequence[int] = (),
         ring_depth: int = 3,
+        host_writes: bool = True,
     ):
         if isinstance(max_num_tokens, bool) or int(max_num_tokens) != max_num_tokens or max_num_tokens <= 0:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
@@ -601,6 +648,7 @@ class RoutedExpertsCapturer:
         self._tp_world = dist.get_world_size(tp_group) if tp_group is not None else 1
         self._gather_into_tensor = tp_group is not None and dist.get_backend(tp_group) != "gloo"
         self._copy_stream = None
+        self._direct = False
         self._ring: list[_RingSlot] = []
         self._ring_depth = int(ring_depth)
         self._lend = True  # results are views of their slot until a slot is found still lent (NOTE 1)
@@ -610,9 +658,12 @@ class RoutedExpertsCapturer:
             self._narrow = _TORCH_STORAGE[spec.storage_dtype]
             self._copy_stream = torch.cuda.Stream(self._device)
             self._ring_capacity = _packed_layout(self._max_num_tokens, self._row_bytes, self._row_ids, True)[3]
-            self._ring = [_RingSlot(self._ring_capacity, self._device, self._narrow) for _ in range(self._ring_depth)]
+            # The kernel writes pinned host memory where the driver maps it (NOTE 3 of _snapshot_async).
+            self._direct = bool(host_writes)
+            self._ring = [self._new_slot(self._ring_capacity) for _ in range(self._ring_depth)]
             # Pinned spans for the results kept once the ring stops lending (NOTE 1 of _HostPool).
-            self._pool = _HostPool(max(_POOL_MIN_CHUNK, self._ring_capacity), _POOL_MAX_CHUNK)
+            self._pool = _HostPool(max(_POOL_MIN_CHUNK, self._ring_capacity), _POOL_MAX_CHUNK,
+                                   map_chunk=mapped_address if self._direct else None)
             # What the kernel's launches take from this capturer, made once: the capture
             # buffer's and the fill's addresses, and the fixed part of a launch's key
             # (their dtypes and alignment, and the integers Triton specialises on; a ring
@@ -842,19 +893,25 @@ class RoutedExpertsCapturer:
         ValueError
             As :meth:`snapshot`, and if ``row`` is given and ``slots`` has no such row.
         """
+        # Four torch calls (dtype, device, shape, strides): each costs many times its
+        # isolated time inside an engine step.
         if (
             self._host is None and self._tp_rank == 0 and type(num_tokens) is int
             and 0 <= num_tokens <= self._max_num_tokens and isinstance(slots, torch.Tensor)
-            and slots.dtype in _SLOT_DTYPES and slots.is_cuda and slots.get_device() == self._device.index
         ):
-            if row is None:
-                if slots.dim() == 1 and slots.shape[0] >= num_tokens and slots.is_contiguous():
-                    return self._snapshot_async(num_tokens, slots, None, True, defer_copy)
-            elif (
-                type(row) is int and slots.dim() == 2 and 0 <= row < slots.shape[0]
-                and slots.shape[1] >= num_tokens and slots.stride(1) == 1
-            ):
-                return self._snapshot_async(num_tokens, slots, None, True, defer_copy, row)
+            dtype = slots.dtype
+            if dtype in _SLOT_DTYPES and slots.get_device() == self._device.index:
+                shape, stride = slots.shape, slots.stride()
+                if row is None:
+                    if len(shape) == 1 and shape[0] >= num_tokens and stride[0] == 1:
+                        return self._snapshot_async(num_tokens, slots, None, True, defer_copy, dtype=dtype)
+                elif (
+                    type(row) is int and len(shape) == 2 and 0 <= row < shape[0]
+                    and shape[1] >= num_tokens and stride[1] == 1
+                ):
+                    return self._snapshot_async(
+                        num_tokens, slots, None, True, defer_copy, row * stride[0] * dtype.itemsize, dtype, row
+                    )
         if row is not None:
             rows = slots.shape[0] if isinstance(slots, torch.Tensor) and slots.dim() == 2 else None
             if rows is None or isinstance(row, bool) or not isinstance(row, (int, np.integer)) or not 0 <= row < rows:
@@ -888,34 +945,57 @@ class RoutedExpertsCapturer:
 
     def _snapshot_async(
         self, n: int, slot_mapping: torch.Tensor | None, host_slots: np.ndarray | None, clear: bool, defer: bool,
-        row: int | None = None,
+        row_offset: int = 0, dtype: torch.dtype | None = None, row: int | None = None,
     ) -> PendingSnapshot:
-        # Host cost: one kernel launch and, with the capturer's own stream, two event
-        # records, a stream wait and one copy launch; nothing is allocated. Device
-        # cost: one pass over the int32 rows (memory bandwidth; over the whole buffer
-        # with `clear`) and one D2H of the narrow bytes (host-link bandwidth).
-        # `slot_mapping` is 1-D, or 2-D with `row` the one to read.
+        # Host cost: one kernel launch and, with the capturer's own stream, one event
+        # record (two, a stream wait and a copy launch where it stages); nothing is
+        # allocated. Device cost: one pass over the int32 rows (memory bandwidth; over
+        # the whole buffer with `clear`) and the narrow bytes over the host link.
+        # `slot_mapping` is 1-D, or 2-D with `row` the one to read, `row_offset` bytes
+        # from its start; `dtype` is its dtype where the caller read it.
+        #
+        # NOTE 3: the kernel writes the packed bytes straight into their pinned host
+        # span (mapped host memory: the GPU's stores cross the host link), so a step
+        # launches no copy and, on the capturer's own stream, records one event. It
+        # stages them in the ring slot's device buffer and copies them instead where
+        # the driver maps no address for the span, or without Triton (torch's ops
+        # cannot write host memory). Either way the bytes reach the host in the order
+        # of the stream the kernel runs on, before any event recorded after it there
+        # (or on a stream that waits for it) completes.
         if torch.cuda.current_device() != self._device.index:
             with torch.cuda.device(self._device):
-                return self._snapshot_async(n, slot_mapping, host_slots, clear, defer, row)
+                return self._snapshot_async(n, slot_mapping, host_slots, clear, defer, row_offset, dtype, row)
         layout = _packed_layout(n, self._row_bytes, self._row_ids, slot_mapping is not None)
         rows_end, slots_at, counts_at, total = layout
         slot = self._acquire_slot(total)
+        in_ring = slot in self._ring
+        # A slot of the ring lends its host buffer while the capturer lends (a one-off
+        # slot's is this snapshot's alone); else the snapshot fills a span of the
+        # capturer's pinned host pool, and its result is views of that (NOTE 1).
+        if in_ring and not self._lend:
+            host = self._pool.take(total)
+            target = None if self._pool.mapped is None else self._pool.mapped + host[1]
+        else:
+            host, target = None, slot.mapped
         launch = self._launch
         if launch is None:
             launch = self._launch = self._launcher()
-        if launch is not pack_snapshot:  # the ring slot's address, element offsets and a key made of the capturer's
-            address = slot.address
+        if launch is not pack_snapshot:  # addresses, element offsets and a key made of the capturer's
+            address = slot.address if target is None else target
             if slot_mapping is None:  # placeholders the kernel does not read: the rows and counts
                 slots_address, slots_dtype, copy_slots = address, self._narrow, False
             else:
-                slots_address, slots_dtype, copy_slots = slot_mapping.data_ptr(), slot_mapping.dtype, True
-                if row is not None:
-                    slots_address += row * slot_mapping.stride(0) * slot_mapping.element_size()
+                slots_address, copy_slots = slot_mapping.data_ptr() + row_offset, True
+                slots_dtype = slot_mapping.dtype if dtype is None else dtype
 
             def tensors():  # the same arguments as tensors, for a launch Triton compiles
-                slots_in = slot.rows if slot_mapping is None else slot_mapping if row is None else slot_mapping[row]
-                return self._flat, self._fill, slot.rows, slot.counts, slots_in, slot.slots if copy_slots else slot.counts
+                if target is None:
+                    rows, counts, slots = slot.rows, slot.counts, slot.slots
+                else:
+                    span = slot.host if host is None else host[0][host[1]:host[1] + host[2].size]
+                    rows, counts, slots = (span.view(t) for t in (self._narrow, torch.int32, torch.int64))
+                slots_in = rows if slot_mapping is None else slot_mapping if row is None else slot_mapping[row]
+                return self._flat, self._fill, rows, counts, slots_in, slots if copy_slots else counts
 
             launch.launch(
                 (self._launch_key, slots_dtype, slots_address % 16 == 0),
@@ -925,6 +1005,7 @@ class RoutedExpertsCapturer:
                 (copy_slots, clear, PACK_BLOCK), tensors,
             )
         else:
+            target = None
             packed = slot.device
             if slot_mapping is not None:
                 slot_mapping = (slot_mapping if row is None else slot_mapping[row])[:n]
@@ -934,17 +1015,16 @@ class RoutedExpertsCapturer:
                 None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
                 self._spec.num_experts, clear,
             )
-        in_ring = slot in self._ring
-        # A slot of the ring lends its host buffer while the capturer lends (a one-off
-        # slot's is this snapshot's alone); else this snapshot's copy fills a span of
-        # the capturer's pinned host pool, and its result is views of that (NOTE 1).
         pending = PendingSnapshot(
-            self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer,
-            host=self._pool.take(total) if in_ring and not self._lend else None,
+            self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer, host=host,
+            direct=target is not None,
         )
         if in_ring:
             slot.holder = pending
         if not defer:
+            if target is not None:  # written in place (NOTE 3): the event follows the kernel
+                slot.copied.record()
+                return pending
             # NOTE 2: the copy stream reads only the slot's packed buffer, written by
             # the kernel just enqueued on the compute stream; kernels enqueued there
             # later (the next step overwriting the capture buffer and slot_mapping)
@@ -955,6 +1035,9 @@ class RoutedExpertsCapturer:
                 pending._copy_to_host()
                 slot.copied.record(self._copy_stream)
         return pending
+
+    def _new_slot(self, nbytes: int) -> _RingSlot:
+        return _RingSlot(nbytes, self._device, self._narrow, self._direct)
 
     def _launcher(self):
         """What launches this capturer's snapshot kernel: the Triton kernel's
@@ -1002,8 +1085,8 @@ class RoutedExpertsCapturer:
             slot = next((other for other in ring if other.holder is None and not other.lent()), None)
             if slot is None:
                 if len(ring) >= 2 * self._ring_depth:
-                    return _RingSlot(nbytes, self._device, self._narrow)
-                slot = _RingSlot(self._ring_capacity, self._device, self._narrow)
+                    return self._new_slot(nbytes)
+                slot = self._new_slot(self._ring_capacity)
                 ring.insert(at, slot)
             at = ring.index(slot)
         self._next_slot = (at + 1) % len(ring)

@@ -14,7 +14,9 @@ async scheduling the worker calls ``get_output`` at once.
 
 slotroute puts :class:`StepCapture` in that place. ``get_routed_experts`` launches
 slotroute's checked narrow snapshot kernel on the forward's stream,
-``to_cpu_nonblocking`` enqueues its one copy on V2's output copy stream, and
+``to_cpu_nonblocking`` enqueues its one copy on V2's output copy stream where the
+kernel staged its bytes on the device (none where the kernel wrote the pinned host
+memory itself, the default), and
 ``tolists``, called once V2 has waited for that stream's event, returns vLLM's
 ``RoutedExpertsLists`` in the storage dtype, or raises naming what the check found.
 The snapshot kernel clears the capture buffer for the next step, so under CUDA graphs
@@ -48,7 +50,7 @@ class StepRouting:
         self.pending = pending
 
     def to_cpu_nonblocking(self) -> StepRouting:
-        """Enqueue the snapshot's one copy on the current stream (V2's output copy
+        """Enqueue the snapshot's one copy, if it staged, on the current stream (V2's output copy
         stream, whose blocking event ``get_output`` waits on before ``tolists``): self."""
         self.pending.enqueue_copy()
         return self
@@ -63,7 +65,11 @@ class StepRouting:
             An expert id outside ``[0, num_experts)``, or a MoE layer that wrote
             nothing for some token of the step.
         """
-        return as_vllm_lists(self.pending)
+        try:  # the common case in place: one call fewer per step
+            arrays = self.pending.arrays()
+        except ValueError:
+            return as_vllm_lists(self.pending)  # logs it and ships the failed step's slots
+        return None if arrays is None else VllmRoutedExpertsLists(*arrays)
 
 
 class StepCapture:
@@ -82,7 +88,7 @@ class StepCapture:
         """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is
         V2's ``(num_kv_cache_groups, max_num_tokens)`` device tensor, of which the
         full-attention group's row keys the store (read in place: no view per step).
-        Bounded by one kernel launch: the copy goes on V2's output copy stream
+        Bounded by one kernel launch: a staged copy goes on V2's output copy stream
         (``to_cpu_nonblocking``)."""
         return StepRouting(self.routing.snapshot_step(num_tokens, slot_mappings, True, self.routing.attn_gid))
 

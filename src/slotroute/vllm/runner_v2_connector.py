@@ -15,7 +15,8 @@ checked narrow snapshot kernel with the step's slots of the full-attention group
 which also clears the capture buffer for the next step (so under CUDA graphs a MoE
 layer that wrote nothing fails the check instead of shipping an older step's ids;
 ``begin_step`` clears it only after a dummy run), ``enqueue_cpu_copy`` enqueues its
-one copy on V2's output copy stream, and ``process_output``, called once V2 has
+one copy on V2's output copy stream where the kernel staged its bytes (none where it
+wrote the pinned host memory itself, the default), and ``process_output``, called once V2 has
 waited for that stream's event, returns :func:`~slotroute.vllm.worker.step_output`
 with the slots of the draft tokens the sampler rejected dropped
 (:func:`drop_rejected`).
@@ -77,7 +78,7 @@ class PendingStep:
         self.connector = connector
 
     def enqueue_cpu_copy(self, num_sampled, num_rejected) -> None:
-        """Enqueue the snapshot's one copy on the current stream: V2's output copy
+        """Enqueue the snapshot's one copy, if it staged, on the current stream: V2's output copy
         stream, whose blocking event ``get_output`` waits on before
         :meth:`process_output`; keep ``num_rejected`` (a host array V2 fills on the same
         stream) for it."""
@@ -135,7 +136,7 @@ class StepConnector:
         """Start shipping the step's rows (``input_batch.num_tokens``, padding excluded)
         with their slots, and where each request's tokens end among them (for the
         rejected drafts' slots, :class:`PendingStep`); ``None`` if no slot mapping was
-        staged. Bounded by one kernel launch: the copy goes on V2's output copy stream
+        staged. Bounded by one kernel launch: a staged copy goes on V2's output copy stream
         (``enqueue_cpu_copy``)."""
         slots, self._slots = self._slots, None
         if slots is None:
