@@ -543,8 +543,24 @@ for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.
             clear, PACK_BLOCK, numel=n * layers * top_k, counts_at=counts_at // 4, slots_at=slots_at // 8, num_slots=n,
         )
         assert torch.equal(whole[:rows_end].view(dtype), rows) and torch.equal(ids3, ids)
-        assert torch.equal(whole[slots_at:counts_at].view(torch.int64), slots_out)
+        assert torch.equal(whole[slots_at:slots_at + 8 * n].view(torch.int64), slots_out)
         assert torch.equal(whole[counts_at:total].view(torch.int32), counts)
+        # the capturer's launch: each part at its own address, stores padded (PAD): the
+        # same bytes, zeros in the padding, nothing written past it
+        span, ids4 = torch.full((-(-total // 64) * 64 + 64,), 0x5A, dtype=torch.uint8), before.clone()
+        parts = lambda: (ids4, fill, span.view(dtype), span[counts_at:].view(torch.int32), longer,
+                         span[slots_at:].view(torch.int64))
+        numel = n * layers * top_k
+        _capture_kernel.PackLauncher(0).launch(
+            ("interpreter",), (0,) * 6, (numel, ids4.numel() if clear else 0, layers * top_k, n, num_experts, 0, 0),
+            (True, clear, True, PACK_BLOCK), parts,
+        )
+        padded_end = -(-numel // 16) * 16 * rows.element_size()
+        assert numel % 16 or layers * top_k != 6  # the int16 case pads its rows
+        assert torch.equal(span[:rows_end].view(dtype), rows) and torch.equal(ids4, ids)
+        assert not span[rows_end:padded_end].any() and (span[padded_end:slots_at] == 0x5A).all()
+        assert torch.equal(span[slots_at:slots_at + 8 * n].view(torch.int64), slots_out)
+        assert torch.equal(span[counts_at:total].view(torch.int32), counts) and (span[total:] == 0x5A).all()
 print("fused kernel ok")
 """
 

@@ -10,19 +10,28 @@ import triton.language as tl
 @triton.jit(do_not_specialize=["numel", "clear_numel", "num_slots", "counts_at", "slots_at"])
 def _pack_kernel(
     ids, fill, rows, counts, slots_in, slots_out, numel, clear_numel, row_elems, num_slots, num_experts,
-    counts_at, slots_at, COPY_SLOTS: tl.constexpr, CLEAR: tl.constexpr, BLOCK: tl.constexpr,
+    counts_at, slots_at, COPY_SLOTS: tl.constexpr, CLEAR: tl.constexpr, PAD: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # Program p: ids [p * BLOCK, (p + 1) * BLOCK) narrowed into `rows`, its count of ids
     # outside [0, num_experts) into counts[counts_at + p] (every counting program writes
     # its own entry: nothing to zero first); the same span of the capture buffer
     # refilled from `fill` (one token's pattern); the same span of the slot mapping
-    # copied as int64 from slots_out[slots_at]. Bounded by memory bandwidth.
+    # copied as int64 from slots_out[slots_at]. Bounded by memory bandwidth, or by the
+    # host link where `rows` and `slots_out` are mapped host memory.
+    #
+    # NOTE 1: with PAD the rows are stored up to numel rounded up to 16 and the slots
+    # up to num_slots rounded up to 2, zeros past the end (the caller leaves room): a
+    # store mask Triton knows to be constant over 16 bytes lets it store 16-byte
+    # vectors. Masked at numel itself (an integer it does not specialise), every
+    # element is stored alone: to mapped host memory, one transfer per byte over the
+    # host link, some 60 times slower.
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if pid.to(tl.int64) * BLOCK < numel:
         inside = offsets < numel
         found = tl.load(ids + offsets, mask=inside, other=0)
-        tl.store(rows + offsets, found.to(rows.dtype.element_ty), mask=inside)
+        stored = offsets < (numel + 15) // 16 * 16 if PAD else inside
+        tl.store(rows + offsets, found.to(rows.dtype.element_ty), mask=stored)
         tl.store(counts + counts_at + pid, tl.sum(((found < 0) | (found >= num_experts)).to(tl.int32), axis=0))
     if CLEAR:
         # After the load above, in program order on the same addresses: it read the ids first.
@@ -30,7 +39,8 @@ def _pack_kernel(
         tl.store(ids + offsets, tl.load(fill + offsets % row_elems, mask=cleared, other=0), mask=cleared)
     if COPY_SLOTS:
         copied = offsets < num_slots
-        tl.store(slots_out + slots_at + offsets, tl.load(slots_in + offsets, mask=copied, other=0).to(tl.int64), mask=copied)
+        stored = offsets < (num_slots + 1) // 2 * 2 if PAD else copied
+        tl.store(slots_out + slots_at + offsets, tl.load(slots_in + offsets, mask=copied, other=0).to(tl.int64), mask=stored)
 
 
 _INT32_MAX = (1 << 31) - 1
@@ -83,12 +93,13 @@ class PackLauncher:
         addresses = tuple(t.data_ptr() for t in pointers)
         sizes = (numel, clear_numel, fill.numel(), num_slots, num_experts, counts_at, slots_at)
         key = (tuple(t.dtype for t in pointers), tuple(a & 15 == 0 for a in addresses), sizes[2], num_experts)
-        self.launch(key, addresses, sizes, (copy_slots, clear, block), lambda: pointers)
+        self.launch(key, addresses, sizes, (copy_slots, clear, False, block), lambda: pointers)
 
     def launch(self, key: tuple, addresses: tuple, sizes: tuple, flags: tuple, tensors) -> None:
         """Launch with the six pointer arguments as ``addresses`` (ints), ``sizes`` (the
         seven integer arguments, in order) and ``flags`` (``COPY_SLOTS``, ``CLEAR``,
-        ``BLOCK``). ``key`` holds what Triton specialises on beyond ``flags`` and the
+        ``PAD``, ``BLOCK``; with ``PAD`` the rows and slots need room for the kernel's
+        padded stores, NOTE 1 of ``_pack_kernel``). ``key`` holds what Triton specialises on beyond ``flags`` and the
         integers' widths (the pointers' dtypes and alignment, ``row_elems`` and
         ``num_experts``); ``tensors()`` returns the six pointer arguments as tensors,
         called only for a call whose key is new (the JIT launch specialises on them)."""
@@ -96,7 +107,7 @@ class PackLauncher:
         span = max(numel, clear_numel, num_slots)
         if span == 0:
             return
-        grid = (-(-span // flags[2]), 1, 1)
+        grid = (-(-span // flags[3]), 1, 1)
         # Offsets past int32 make Triton type an argument int64: such a call always takes the JIT launch.
         key = None if max(span, counts_at, slots_at) > _INT32_MAX else (key, flags)
         entry = self._compiled.get(key)
@@ -108,8 +119,8 @@ class PackLauncher:
             else:
                 compiled[grid](*addresses, *sizes, *flags, stream=stream)
             return
-        copy_slots, clear, block = flags
-        compiled = _pack_kernel[grid](*tensors(), *sizes, COPY_SLOTS=copy_slots, CLEAR=clear, BLOCK=block)
+        copy_slots, clear, pad, block = flags
+        compiled = _pack_kernel[grid](*tensors(), *sizes, COPY_SLOTS=copy_slots, CLEAR=clear, PAD=pad, BLOCK=block)
         if key is not None and isinstance(compiled, triton.compiler.CompiledKernel):  # not under the interpreter
             self._compiled[key] = self._launcher_of(compiled)
             self._stream = triton.runtime.driver.active.get_current_stream

@@ -220,23 +220,20 @@ class _RingSlot:
     copy on the capturer's own stream after the kernel, ``copied`` (blocking: the host
     sleeps on it) follows the kernel, or that copy. ``holder`` is the unresolved snapshot using the slot; a
     resolved snapshot's arrays are views of ``host_np``, and the slot is :meth:`lent`
-    while any of them is alive. ``rows``, ``counts`` and ``slots`` view the whole
-    device buffer as the storage dtype, int32 and int64, made once: the kernel takes
-    them with element offsets, so a snapshot makes no view of its own (each torch call
-    on the hot path costs several microseconds inside an engine step)."""
+    while any of them is alive. ``address`` is the device buffer's, made once: the
+    kernel's launch takes addresses, so a snapshot makes no view of its own (each torch
+    call on the hot path costs several microseconds inside an engine step)."""
 
     __slots__ = (
-        "device", "address", "rows", "counts", "slots", "host", "host_np", "mapped", "ready", "copied", "holder",
-        "_free_refs",
+        "device", "address", "host", "host_np", "mapped", "ready", "copied", "holder", "_free_refs",
     )
 
-    def __init__(self, nbytes: int, device: torch.device, narrow: torch.dtype, direct: bool = False):
-        nbytes = -(-max(nbytes, 1) // 8) * 8  # whole int64s, for the slots' view
+    def __init__(self, nbytes: int, device: torch.device, direct: bool = False):
+        nbytes = -(-max(nbytes, 1) // 64) * 64  # whole lines, as a packed layout's parts
         self.device = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self.address = self.device.data_ptr()  # every view's, for the kernel's launch
         if self.address % 16:  # torch's CUDA allocations are aligned far beyond this
             raise RuntimeError(f"a snapshot ring buffer at {self.address:#x} is not 16-byte aligned")
-        self.rows, self.counts, self.slots = (self.device.view(dtype) for dtype in (narrow, torch.int32, torch.int64))
         self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.host_np = self.host.numpy()
         self.mapped = mapped_address(self.host) if direct else None
@@ -255,10 +252,12 @@ class _RingSlot:
 def _packed_layout(num_tokens: int, row_bytes: int, row_ids: int, device_slots: bool) -> tuple[int, int, int, int]:
     """Byte offsets in a packed snapshot of ``num_tokens`` tokens: the end of its rows,
     the start of its int64 slots (where the slot mapping is on the device), the start
-    of its int32 counts of bad ids, and its total size."""
+    of its int32 counts of bad ids, and its total size. Each part starts on a 64-byte
+    line, which leaves the room the kernel's padded stores need (NOTE 1 of
+    ``_capture_kernel._pack_kernel``)."""
     rows_end = num_tokens * row_bytes
-    slots_at = -(-rows_end // 8) * 8
-    counts_at = slots_at + (8 * num_tokens if device_slots else 0)
+    slots_at = -(-rows_end // 64) * 64
+    counts_at = slots_at + (-(-8 * num_tokens // 64) * 64 if device_slots else 0)
     return rows_end, slots_at, counts_at, counts_at + 4 * -(-(num_tokens * row_ids) // PACK_BLOCK)
 
 
@@ -981,6 +980,7 @@ class RoutedExpertsCapturer:
         if launch is None:
             launch = self._launch = self._launcher()
         if launch is not pack_snapshot:  # addresses, element offsets and a key made of the capturer's
+            # Each part's own address (64-byte aligned), for the padded stores (NOTE 1 of _pack_kernel).
             address = slot.address if target is None else target
             if slot_mapping is None:  # placeholders the kernel does not read: the rows and counts
                 slots_address, slots_dtype, copy_slots = address, self._narrow, False
@@ -990,19 +990,20 @@ class RoutedExpertsCapturer:
 
             def tensors():  # the same arguments as tensors, for a launch Triton compiles
                 if target is None:
-                    rows, counts, slots = slot.rows, slot.counts, slot.slots
+                    span = slot.device
                 else:
                     span = slot.host if host is None else host[0][host[1]:host[1] + host[2].size]
-                    rows, counts, slots = (span.view(t) for t in (self._narrow, torch.int32, torch.int64))
+                rows, counts, slots = span.view(self._narrow), span[counts_at:].view(torch.int32), span[slots_at:].view(torch.int64)
                 slots_in = rows if slot_mapping is None else slot_mapping if row is None else slot_mapping[row]
                 return self._flat, self._fill, rows, counts, slots_in, slots if copy_slots else counts
 
             launch.launch(
                 (self._launch_key, slots_dtype, slots_address % 16 == 0),
-                (*self._addresses, address, address, slots_address, address),
+                (*self._addresses, address, address + counts_at, slots_address,
+                 address + slots_at if copy_slots else address + counts_at),
                 (n * self._row_ids, self._max_num_tokens * self._row_ids if clear else 0, self._row_ids, n if copy_slots else 0,
-                 self._spec.num_experts, counts_at // 4, slots_at // 8),
-                (copy_slots, clear, PACK_BLOCK), tensors,
+                 self._spec.num_experts, 0, 0),
+                (copy_slots, clear, True, PACK_BLOCK), tensors,
             )
         else:
             target = None
@@ -1012,7 +1013,7 @@ class RoutedExpertsCapturer:
             pack_snapshot(
                 self._flat, self._fill, packed[:rows_end].view(self._narrow),
                 packed[counts_at:total].view(torch.int32), slot_mapping,
-                None if slot_mapping is None else packed[slots_at:counts_at].view(torch.int64),
+                None if slot_mapping is None else packed[slots_at:slots_at + 8 * n].view(torch.int64),
                 self._spec.num_experts, clear,
             )
         pending = PendingSnapshot(
@@ -1037,7 +1038,7 @@ class RoutedExpertsCapturer:
         return pending
 
     def _new_slot(self, nbytes: int) -> _RingSlot:
-        return _RingSlot(nbytes, self._device, self._narrow, self._direct)
+        return _RingSlot(nbytes, self._device, self._direct)
 
     def _launcher(self):
         """What launches this capturer's snapshot kernel: the Triton kernel's
