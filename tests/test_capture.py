@@ -620,6 +620,24 @@ def test_host_pool_reuses_a_chunk_once_no_view_of_it_is_alive():
     assert len(made) == 3 and again[1] == 0 and again[0] is pool._chunks[0][0]
 
 
+def test_host_pool_reserve_allocates_up_front_and_steps_then_allocate_nothing():
+    pool, made = host_pool(min_chunk=1024, max_chunk=4096)
+    pool.reserve(10000)  # chunks of at most the largest size, whole lines
+    assert made == [4096, 4096, 1856] and pool.nbytes == 10048
+    pool.reserve(5000)  # already held: nothing more
+    assert len(made) == 3
+    spans = [pool.take(900) for _ in range(8)]  # 8 spans of 960 bytes: four in each full chunk
+    assert len(made) == 3 and {span[0].data_ptr() for span in spans} == {c[0].data_ptr() for c in pool._chunks[:2]}
+
+
+def test_reserve_host_on_cpu_holds_nothing_and_rejects_bad_sizes():
+    cap = RoutedExpertsCapturer(RoutingSpec(num_layers=2, top_k=2, num_experts=8), max_num_tokens=4, device="cpu")
+    assert cap.reserve_host(1 << 20) == 0
+    for bad in (-1, 2.5, True, "1"):
+        with pytest.raises(ValueError, match="nbytes must be a non-negative int"):
+            cap.reserve_host(bad)
+
+
 @pytest.mark.parametrize("shape,dtype", [((300, 61, 8), np.uint8), ((7, 3, 2), np.uint16), ((0, 4, 2), np.uint8), ((513,), np.int64)])
 def test_owned_copy_is_an_equal_array_of_its_own(shape, dtype):
     rng = np.random.default_rng(3)

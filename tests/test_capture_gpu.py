@@ -442,6 +442,29 @@ def test_the_kernel_writes_pinned_host_memory_itself_as_a_staged_copy_would(narr
             assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
 
 
+def test_reserved_host_memory_takes_every_kept_result_with_no_allocation_in_steps(narrowing):
+    """``reserve_host``: the pool page-locks its memory at once; results kept from
+    then on take spans of it (no ring slot lent, no chunk allocated in a step) and
+    stay intact."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=512, device="cuda", ring_depth=2)
+    held = cap.reserve_host(8 << 20)
+    assert held >= 8 << 20 and not cap._lend
+    chunks = [chunk[0].data_ptr() for chunk in cap._pool._chunks]
+    kept = []
+    for step in range(12):  # 12 steps of at most 512 tokens x 488 bytes: within the reservation
+        n = (512, 3, 200)[step % 3]
+        ids = random_routing(DEEPSEEK, n, seed=1000 + step)
+        capture_step(cap, ids)
+        slots = torch.randperm(3 * n, device="cuda")[:n]
+        lists = cap.snapshot_leading(n, slots).result()
+        kept.append((lists, ids, slots))
+    assert [chunk[0].data_ptr() for chunk in cap._pool._chunks] == chunks
+    for slot in cap._ring:
+        assert not slot.lent()
+    for lists, ids, slots in kept:
+        assert_snapshot_equals(lists, ids, slots, DEEPSEEK)
+
+
 def test_a_hooked_launch_goes_through_triton_and_writes_the_same():
     """While a profiler's launch hook is set, repeat launches go through Triton's own
     launch, which calls it; without hooks they skip it. Both write the same bytes."""

@@ -76,7 +76,8 @@ def _make_init_capturer(original):
     leaves ``routed_experts_initialized`` False, so vLLM's int32 copies never run."""
 
     def init_routed_experts_capturer(self):
-        self.__dict__[_ATTR] = WorkerRouting.of_runner(self)
+        routing = self.__dict__[_ATTR] = WorkerRouting.of_runner(self)
+        routing.keep_results()  # the in-process engine keeps each step's rows until its requests finish
 
     return init_routed_experts_capturer
 

@@ -83,6 +83,7 @@ class StepCapture:
 
     def __init__(self, runner) -> None:
         self.routing = WorkerRouting.of_runner(runner)
+        self.routing.keep_results()  # V2's in-process engine keeps each step's rows until its requests finish
 
     def get_routed_experts(self, slot_mappings, num_tokens: int) -> StepRouting:
         """Start shipping the step's first ``num_tokens`` rows; ``slot_mappings`` is

@@ -34,6 +34,9 @@ __all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"
 
 logger = logging.getLogger(LOGGER_NAME)
 
+# The most pinned host memory WorkerRouting.keep_results reserves for kept rows.
+KEPT_ROWS_MAX_BYTES = 256 << 20
+
 
 def moe_layer_ids(model: torch.nn.Module) -> set[int]:
     """Layer ids of the modules ``bind_routed_experts_capturer`` binds to."""
@@ -105,6 +108,10 @@ class WorkerRouting:
         )
         # The full-attention KV cache group: its slots key the scheduler's store.
         self.attn_gid = attention_gid(kv_cache_config)
+        attn_group = kv_cache_config.kv_cache_groups[self.attn_gid]
+        self._kv_slots = kv_cache_config.num_blocks * attn_group.kv_cache_spec.block_size
+        # Whether the engine core runs in this process (an in-process executor): it then holds this worker's results.
+        self._engine_process = getattr(config.parallel_config, "distributed_executor_backend", None) == "uni"
         # Every layer of the group shares the group's slot mapping; any one names it.
         self.attn_layer = kv_cache_config.kv_cache_groups[self.attn_gid].layer_names[0]
         self._single_rank = BatchLayout(tp_size=self.tp_size)
@@ -119,6 +126,20 @@ class WorkerRouting:
         logger.info(
             "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
         )
+
+    def keep_results(self) -> int:
+        """For a runner whose engine keeps each step's result until the step's requests
+        finish (vLLM 0.28-0.30, where the engine core runs in the worker's process: an
+        in-process executor): page-lock now the host memory for as many rows as the KV
+        cache has slots (a running request's rows all have one), at most
+        ``KEPT_ROWS_MAX_BYTES``, rather than a chunk at a time inside the first steps
+        (``RoutedExpertsCapturer.reserve_host``). Returns the bytes reserved: none
+        where the engine core runs elsewhere (it gets a serialised copy of each result)."""
+        if not self._engine_process:
+            return 0
+        spec = self.capturer.spec
+        row_bytes = spec.num_layers * spec.top_k * spec.storage_dtype.itemsize
+        return self.capturer.reserve_host(min(self._kv_slots * row_bytes, KEPT_ROWS_MAX_BYTES))
 
     @classmethod
     def of_runner(cls, runner) -> WorkerRouting:
