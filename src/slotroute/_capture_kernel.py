@@ -24,7 +24,7 @@ def _pack_kernel(
     # store mask Triton knows to be constant over 16 bytes lets it store 16-byte
     # vectors. Masked at numel itself (an integer it does not specialise), every
     # element is stored alone: to mapped host memory, one transfer per byte over the
-    # host link, some 60 times slower.
+    # host link, 60-80 times slower (docs/capture.md).
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if pid.to(tl.int64) * BLOCK < numel:
@@ -98,11 +98,12 @@ class PackLauncher:
     def launch(self, key: tuple, addresses: tuple, sizes: tuple, flags: tuple, tensors) -> None:
         """Launch with the six pointer arguments as ``addresses`` (ints), ``sizes`` (the
         seven integer arguments, in order) and ``flags`` (``COPY_SLOTS``, ``CLEAR``,
-        ``PAD``, ``BLOCK``; with ``PAD`` the rows and slots need room for the kernel's
-        padded stores, NOTE 1 of ``_pack_kernel``). ``key`` holds what Triton specialises on beyond ``flags`` and the
-        integers' widths (the pointers' dtypes and alignment, ``row_elems`` and
-        ``num_experts``); ``tensors()`` returns the six pointer arguments as tensors,
-        called only for a call whose key is new (the JIT launch specialises on them)."""
+        ``PAD``, ``BLOCK``; with ``PAD`` the rows and slots need room for the
+        kernel's padded stores, NOTE 1 of ``_pack_kernel``). ``key`` holds what Triton
+        specialises on beyond ``flags`` and the integers' widths (the pointers' dtypes
+        and alignment, ``row_elems`` and ``num_experts``); ``tensors()`` returns the
+        six pointer arguments as tensors, called only for a call whose key is new (the
+        JIT launch specialises on them)."""
         numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at = sizes
         span = max(numel, clear_numel, num_slots)
         if span == 0:
