@@ -137,8 +137,7 @@ class WorkerRouting:
         where the engine core runs elsewhere (it gets a serialised copy of each result)."""
         if not self._engine_process:
             return 0
-        spec = self.capturer.spec
-        row_bytes = spec.num_layers * spec.top_k * spec.storage_dtype.itemsize
+        row_bytes = self.capturer.spec.bytes_per_token
         return self.capturer.reserve_host(min(self._kv_slots * row_bytes, KEPT_ROWS_MAX_BYTES))
 
     @classmethod
