@@ -128,6 +128,27 @@ def is_connector_generation() -> bool:
     return tuple(int(part) for part in vllm.__version__.split(".")[:2]) >= (0, 31)
 
 
+def count_host_pool(pool: dict) -> None:
+    """Count, in ``pool``, the pinned host memory slotroute's capturer reserves at start
+    (``reserved``) and the chunks its host pool adds (``added``, ``added_bytes``): a
+    chunk added inside a step page-locks its memory there."""
+    from slotroute import capture
+
+    reserve, add = capture.RoutedExpertsCapturer.reserve_host, capture._HostPool._add_chunk
+
+    def reserve_host(self, nbytes):
+        pool["reserved"] = reserve(self, nbytes)
+        return pool["reserved"]
+
+    def _add_chunk(self, nbytes):
+        chunk = add(self, nbytes)
+        pool["added"] += 1
+        pool["added_bytes"] += chunk[0].numel()
+        return chunk
+
+    capture.RoutedExpertsCapturer.reserve_host, capture._HostPool._add_chunk = reserve_host, _add_chunk
+
+
 def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = False) -> None:
     """Wrap the routing calls of ``config``'s path (classes, before the engine starts;
     nothing slotroute verifies, so its patches still go in).
@@ -262,6 +283,9 @@ def child(args) -> None:
     from vllm import LLM, SamplingParams
 
     instrument(args.child, timer, shipped, args.detail)
+    pool = dict(reserved=0, added=0, added_bytes=0)
+    if args.child == "slotroute":
+        count_host_pool(pool)
     started = time.perf_counter()
     llm = LLM(
         model=args.model, dtype="bfloat16", load_format="dummy", skip_tokenizer_init=True, seed=0,
@@ -304,6 +328,7 @@ def child(args) -> None:
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
+        pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
         if name == "rollout":
@@ -337,6 +362,7 @@ def child(args) -> None:
             breakdown_max_us={k: 1e6 * max(v) for k, v in timer.samples.items()},
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
+            host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -346,6 +372,7 @@ def child(args) -> None:
         runner=f"{type(runner).__module__}.{type(runner).__qualname__}", vllm=vllm.__version__,
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
+        host_reserved_bytes=pool["reserved"],
     )), flush=True)
 
 
@@ -577,7 +604,11 @@ def main() -> None:
         else:
             entry.update(json.loads(lines[-1][6:]), wall_s=time.perf_counter() - child_began)
             print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
-                  + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items()), flush=True)
+                  + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items())
+                  + (f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
+                     + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)"
+                                 for r in entry["results"].values()) if entry["config"] == "slotroute" else ""),
+                  flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(state, indent=1))
     import torch

@@ -8,13 +8,14 @@ to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``
 (async scheduling). slotroute's ``init_routed_experts_capturer`` binds a
 :class:`~slotroute.vllm.worker.WorkerRouting` instead and leaves that flag off, so
 none of vLLM's int32 copies run; ``execute_model`` resets the step's rows before the
-forward and ``sample_tokens`` sets ``ModelRunnerOutput.routed_experts`` from the
-checked narrow snapshot, on both scheduling paths.
+forward and snapshots them after it, and ``sample_tokens`` sets
+``ModelRunnerOutput.routed_experts`` from the checked narrow snapshot, on both
+scheduling paths.
 
 vLLM 0.31-0.32 (:func:`v1_runner_connector_patches`): this runner returns no routing
 at all (vLLM's aux-output connector serves only the V2 runner). slotroute binds its
-capture once the KV cache exists (``initialize_kv_cache``), resets rows the same way,
-and ``sample_tokens`` sets ``ModelRunnerOutput.aux_output_connector_output`` to the
+capture once the KV cache exists (``initialize_kv_cache``), resets and snapshots rows
+the same way, and ``sample_tokens`` sets ``ModelRunnerOutput.aux_output_connector_output`` to the
 step's rows and slots (:func:`~slotroute.vllm.worker.step_output`), which the
 scheduler side (``connector.py``) stores.
 """
@@ -31,6 +32,7 @@ __all__ = ["AsyncOutputWithRouting", "v1_runner_connector_patches", "v1_runner_p
 
 RUNNER = "vllm.v1.worker.gpu_model_runner"
 _ATTR = "_slotroute_routing"
+_PENDING = "_slotroute_pending"  # the step's snapshot, from execute_model to sample_tokens
 
 
 def _ship_routed_experts(output: ModelRunnerOutput, pending: PendingSnapshot) -> None:
@@ -98,13 +100,20 @@ def _make_initialize_kv_cache(original):
 
 def _make_execute_model(original):
     """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.execute_model``:
-    prepares the step's capture before the forward (``WorkerRouting.begin_step``)."""
+    prepares the step's capture before the forward (``WorkerRouting.begin_step``) and
+    snapshots it right after, before ``sample_tokens`` samples (NOTE 1)."""
 
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         routing = self.__dict__.get(_ATTR)
-        if routing is not None:
-            routing.begin_step(scheduler_output.total_num_scheduled_tokens)
-        return original(self, scheduler_output, intermediate_tensors)
+        if routing is None:
+            return original(self, scheduler_output, intermediate_tensors)
+        routing.begin_step(scheduler_output.total_num_scheduled_tokens)
+        self.__dict__[_PENDING] = None
+        output = original(self, scheduler_output, intermediate_tensors)
+        state = self.execute_model_state
+        if output is None and state is not None:  # the forward ran; sample_tokens follows
+            self.__dict__[_PENDING] = routing.snapshot(state)
+        return output
 
     return execute_model
 
@@ -125,16 +134,18 @@ def _make_dummy_run(original):
 
 def _make_sample_tokens(original, ship=_ship_routed_experts):
     """Wraps ``vllm/v1/worker/gpu_model_runner.py`` ``GPUModelRunner.sample_tokens``:
-    attaches the step's narrow routing to the sync output (with ``ship``), or wraps
-    the async one."""
+    attaches the snapshot ``execute_model`` took to the sync output (with ``ship``),
+    or wraps the async one.
+
+    NOTE 1: the snapshot kernel is enqueued after the forward and before sampling, so
+    vLLM's own wait for the sampled tokens (its async output's copy event, or the sync
+    path's host copy) also covers it: shipping then finds the kernel's event complete
+    instead of sleeping on it. Launched after sampling, the kernel could end after
+    vLLM's copy, and the blocking wait for it then cost the engine a wake-up."""
 
     def sample_tokens(self, grammar_output):
-        state = self.execute_model_state
         output = original(self, grammar_output)
-        routing = self.__dict__.get(_ATTR)
-        if routing is None or state is None:
-            return output
-        pending = routing.snapshot(state)
+        pending = self.__dict__.pop(_PENDING, None)  # taken by execute_model (NOTE 1)
         if pending is None:
             return output
         if isinstance(output, AsyncModelRunnerOutput):

@@ -34,8 +34,10 @@ __all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output"
 
 logger = logging.getLogger(LOGGER_NAME)
 
-# The most pinned host memory WorkerRouting.keep_results reserves for kept rows.
+# The most pinned host memory WorkerRouting.keep_results reserves for kept rows, and
+# how many times the KV cache's rows it reserves below that (NOTE in keep_results).
 KEPT_ROWS_MAX_BYTES = 256 << 20
+KEPT_ROWS_PER_SLOT = 3
 
 
 def moe_layer_ids(model: torch.nn.Module) -> set[int]:
@@ -130,15 +132,24 @@ class WorkerRouting:
     def keep_results(self) -> int:
         """For a runner whose engine keeps each step's result until the step's requests
         finish (vLLM 0.28-0.30, where the engine core runs in the worker's process: an
-        in-process executor): page-lock now the host memory for as many rows as the KV
-        cache has slots (a running request's rows all have one), at most
-        ``KEPT_ROWS_MAX_BYTES``, rather than a chunk at a time inside the first steps
-        (``RoutedExpertsCapturer.reserve_host``). Returns the bytes reserved: none
-        where the engine core runs elsewhere (it gets a serialised copy of each result)."""
+        in-process executor): page-lock now the host memory the kept rows will pin,
+        ``KEPT_ROWS_PER_SLOT`` times the packed bytes of as many rows as the KV cache
+        has slots, at most ``KEPT_ROWS_MAX_BYTES``, rather than a chunk at a time inside
+        the first steps (``RoutedExpertsCapturer.reserve_host``). Returns the bytes
+        reserved: none where the engine core runs elsewhere (it gets a serialised copy
+        of each result).
+
+        NOTE: a running request's kept rows all have a KV slot, but each pins the whole
+        chunk of the pool its step was written to, prefill rows of other requests
+        included, until the last request with a row there finishes. On vLLM 0.29's
+        rollout of 256 x (1024 + 256) tokens with about 95k KV slots the pool grew to
+        twice the KV cache's rows (docs/benchmarks.md); three times leaves a chunk of
+        margin.
+        """
         if not self._engine_process:
             return 0
-        row_bytes = self.capturer.spec.bytes_per_token
-        return self.capturer.reserve_host(min(self._kv_slots * row_bytes, KEPT_ROWS_MAX_BYTES))
+        packed_bytes = self.capturer.spec.bytes_per_token + 8  # a row and its int64 slot
+        return self.capturer.reserve_host(min(KEPT_ROWS_PER_SLOT * self._kv_slots * packed_bytes, KEPT_ROWS_MAX_BYTES))
 
     @classmethod
     def of_runner(cls, runner) -> WorkerRouting:
