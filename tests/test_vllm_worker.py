@@ -328,3 +328,98 @@ def test_v2_execute_model_clears_after_a_dummy_run_and_begins_real_steps_where_a
     assert execute_model(installed, step, None, True) == 7
     assert calls == (["dummy", 7] if begins_steps else ["dummy"])
     assert seen == [True, False, True]
+
+
+# --- the V1 runner's step: snapshot after the forward, shipped by sample_tokens -----
+
+
+class _V1Runner:
+    """What the V1 runner's wrappers touch: ``execute_model`` runs the forward and keeps
+    its state for ``sample_tokens`` (``None`` returned), or returns an output early."""
+
+    def __init__(self, events: list[str], routing) -> None:
+        from slotroute.vllm import runner_v1
+
+        self.events, self.execute_model_state, self.early = events, None, None
+        self.__dict__[runner_v1._ATTR] = routing
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self.events.append("forward")
+        if self.early is not None:
+            return self.early
+        self.execute_model_state = scheduler_output
+        return None
+
+    def sample_tokens(self, grammar_output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.events.append("sample")
+        if grammar_output == "raise":
+            raise RuntimeError("sampling failed")
+        self.execute_model_state = None
+        return ModelRunnerOutput(req_ids=["r"], req_id_to_index={"r": 0})
+
+
+class _Routing:
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def begin_step(self, num_tokens: int) -> None:
+        self.events.append("begin_step")
+
+    def snapshot(self, state):
+        self.events.append("snapshot")
+        return pending_step(state.ids, state.slots)
+
+
+def _wrapped_v1_step(events: list[str]):
+    from types import SimpleNamespace
+
+    from slotroute.vllm import runner_v1
+
+    ship = ship_for_installed_vllm()
+    runner = _V1Runner(events, _Routing(events))
+    execute = runner_v1._make_execute_model(_V1Runner.execute_model)
+    sample = runner_v1._make_sample_tokens(_V1Runner.sample_tokens, ship)
+
+    def step(ids, slots, grammar_output=None):
+        state = SimpleNamespace(total_num_scheduled_tokens=len(ids), ids=ids, slots=slots)
+        return execute(runner, state), (lambda: sample(runner, grammar_output))
+
+    return runner, step
+
+
+def test_v1_step_snapshots_after_the_forward_before_sampling_and_ships_with_the_output():
+    events: list[str] = []
+    _, step = _wrapped_v1_step(events)
+    returned, sample = step([[1, 2], [3, 4]], [5, 6])
+    assert returned is None
+    assert events == ["begin_step", "forward", "snapshot"]  # the kernel is enqueued before sampling
+    routing = shipped_routing(sample())
+    assert events[-1] == "sample"
+    np.testing.assert_array_equal(routing.routing_data[:, 0], [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(routing.slot_mapping, [5, 6])
+
+
+def test_v1_step_that_returns_its_output_early_takes_no_snapshot():
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    events: list[str] = []
+    runner, step = _wrapped_v1_step(events)
+    runner.early = ModelRunnerOutput(req_ids=[], req_id_to_index={})
+    returned, _ = step([[1, 2]], [0])
+    assert returned is runner.early
+    assert "snapshot" not in events
+
+
+def test_v1_snapshot_of_a_step_whose_sampling_raised_never_ships_with_a_later_step():
+    events: list[str] = []
+    runner, step = _wrapped_v1_step(events)
+    _, sample = step([[1, 2]], [0], grammar_output="raise")
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        sample()
+    runner.execute_model_state = None  # vLLM's next step starts clean
+    _, sample = step([[6, 5], [4, 3]], [8, 9])
+    routing = shipped_routing(sample())
+    np.testing.assert_array_equal(routing.slot_mapping, [8, 9])  # this step's rows, not the failed one's
+    np.testing.assert_array_equal(routing.routing_data[:, 0], [[6, 5], [4, 3]])

@@ -141,10 +141,10 @@ class WorkerRouting:
 
         NOTE: a running request's kept rows all have a KV slot, but each pins the whole
         chunk of the pool its step was written to, prefill rows of other requests
-        included, until the last request with a row there finishes. On vLLM 0.29's
-        rollout of 256 x (1024 + 256) tokens with about 95k KV slots the pool grew to
-        twice the KV cache's rows (docs/benchmarks.md); three times leaves a chunk of
-        margin.
+        included, until the last request with a row there finishes: the pool holds
+        more than the KV cache's rows. Reserving them once still left vLLM 0.29's
+        rollout on an H100 (256 x (1024 + 256) tokens) adding a chunk inside a step;
+        three times is a margin, not a bound (docs/benchmarks.md).
         """
         if not self._engine_process:
             return 0
