@@ -122,3 +122,73 @@ def test_a_missing_read_returns_an_empty_marker_and_records_the_error(pool_and_r
     assert marker.shape == (0, *SPEC.token_shape)
     assert [m is marker for m, _ in routing._missing] == [True]
     assert isinstance(routing._missing[0][1], MissingRoutingError)
+
+
+# --- vLLM 0.28-0.30: block ids kept only for requests that can complete a prefill -----
+
+
+class _Scheduler:
+    """What ``Scheduler._update_after_schedule``'s wrapper touches: vLLM's code there
+    (here: recording whether it would take its own copy of every request's block ids)."""
+
+    def __init__(self, outputs: dict[str, int]) -> None:
+        from slotroute.vllm.routing import SlotRouting
+        from slotroute.vllm.scheduler import SchedulerRouting
+
+        self.enable_return_routed_experts = True
+        self.requests = {rid: SimpleNamespace(num_output_tokens=n) for rid, n in outputs.items()}
+        self._re_block_ids = {"earlier": [9]}  # a step in flight's entry (async scheduling)
+        blocks = {rid: [10 * i, 10 * i + 1] for i, rid in enumerate(outputs)}
+        self.kv_cache_manager = SimpleNamespace(
+            get_blocks=lambda rid: SimpleNamespace(get_block_ids=lambda: ([*blocks[rid]], [99])))
+        core = SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0)
+        self.routed_experts_mgr = SchedulerRouting(core)
+        self.copied_by_vllm = None
+        self.fail = False
+
+    def _update_after_schedule(self, scheduler_output):
+        self.copied_by_vllm = self.enable_return_routed_experts
+        if self.fail:
+            raise RuntimeError("vLLM's code raised")
+
+
+@pytest.fixture
+def update_after_schedule():
+    from slotroute.vllm.scheduler import _make_update_after_schedule
+
+    return _make_update_after_schedule(_Scheduler._update_after_schedule)
+
+
+def test_block_ids_are_kept_only_for_scheduled_requests_without_output_tokens(update_after_schedule):
+    scheduler = _Scheduler({"prefill": 0, "decode": 5, "resumed": 2, "chunk": 0})
+    update_after_schedule(scheduler, SimpleNamespace(num_scheduled_tokens={"prefill": 8, "decode": 1, "chunk": 4}))
+    assert scheduler.copied_by_vllm is False  # vLLM's copy of every request's block ids skipped
+    assert scheduler.enable_return_routed_experts is True
+    # the attention group's ids (group 0) of the scheduled requests that have no output token
+    assert scheduler._re_block_ids == {"earlier": [9], "prefill": [0, 1], "chunk": [30, 31]}
+
+
+def test_vllms_flag_is_restored_when_its_code_raises(update_after_schedule):
+    scheduler = _Scheduler({"prefill": 0})
+    scheduler.fail = True
+    with pytest.raises(RuntimeError, match="vLLM's code raised"):
+        update_after_schedule(scheduler, SimpleNamespace(num_scheduled_tokens={"prefill": 8}))
+    assert scheduler.enable_return_routed_experts is True
+
+
+def test_without_routing_vllms_code_runs_as_it_is(update_after_schedule):
+    scheduler = _Scheduler({"prefill": 0})
+    scheduler.routed_experts_mgr = object()  # vLLM's own manager (SLOTROUTE_DISABLE)
+    update_after_schedule(scheduler, SimpleNamespace(num_scheduled_tokens={"prefill": 8}))
+    assert scheduler.copied_by_vllm is True and scheduler._re_block_ids == {"earlier": [9]}
+
+
+def test_the_update_after_schedule_patch_matches_the_installed_vllm():
+    from conftest import connector_generation
+
+    from slotroute.vllm.scheduler import scheduler_patches
+
+    if connector_generation():
+        pytest.skip("vLLM 0.31+ has no routed-experts manager in its scheduler")
+    (patch,) = [p for p in scheduler_patches() if p.qualname == "Scheduler._update_after_schedule"]
+    assert callable(patch.verify())
