@@ -603,12 +603,12 @@ def main() -> None:
                   flush=True)
         else:
             entry.update(json.loads(lines[-1][6:]), wall_s=time.perf_counter() - child_began)
+            results = entry["results"].values()
+            pool = "" if entry["config"] != "slotroute" else (
+                f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
+                + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)" for r in results))
             print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
-                  + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items())
-                  + (f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
-                     + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)"
-                                 for r in entry["results"].values()) if entry["config"] == "slotroute" else ""),
-                  flush=True)
+                  + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items()) + pool, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(state, indent=1))
     import torch

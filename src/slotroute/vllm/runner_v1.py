@@ -15,9 +15,10 @@ scheduling paths.
 vLLM 0.31-0.32 (:func:`v1_runner_connector_patches`): this runner returns no routing
 at all (vLLM's aux-output connector serves only the V2 runner). slotroute binds its
 capture once the KV cache exists (``initialize_kv_cache``), resets and snapshots rows
-the same way, and ``sample_tokens`` sets ``ModelRunnerOutput.aux_output_connector_output`` to the
-step's rows and slots (:func:`~slotroute.vllm.worker.step_output`), which the
-scheduler side (``connector.py``) stores.
+the same way, and ``sample_tokens`` sets
+``ModelRunnerOutput.aux_output_connector_output`` to the step's rows and slots
+(:func:`~slotroute.vllm.worker.step_output`), which the scheduler side
+(``connector.py``) stores.
 """
 
 from __future__ import annotations
