@@ -364,6 +364,38 @@ def test_snapshot_arrays_raise_as_result_does(cap, rng):
         pending.result()
 
 
+def test_a_discarded_snapshot_raises_instead_of_returning_rows(cap, rng):
+    capture_all(cap, routing(rng, 3))
+    pending = cap.snapshot(3, np.arange(3))
+    pending.discard()
+    for read in (pending.result, pending.arrays):
+        with pytest.raises(ValueError, match="snapshot of this step of 3 tokens was discarded unread"):
+            read()
+    assert pending.failed_slots() is None  # nothing to drop: no step failed
+
+
+def test_discarding_a_snapshot_frees_the_ring_slot_it_holds():
+    """The ring's bookkeeping without a GPU: the slot whose holder is the discarded
+    snapshot is free again; a slot another snapshot holds stays held."""
+    from types import SimpleNamespace
+
+    from slotroute.capture import PendingSnapshot, _packed_layout
+
+    host = torch.zeros(256, dtype=torch.uint8)
+    layout = _packed_layout(2, SPEC.bytes_per_token, SPEC.num_layers * SPEC.top_k, False)
+
+    def held_snapshot():
+        slot = SimpleNamespace(holder=None)
+        slot.holder = PendingSnapshot(SPEC, 2, slot=slot, layout=layout, own_stream=False,
+                                      host=(host, 0, host.numpy()), host_slots=np.arange(2))
+        return slot
+
+    freed, held = held_snapshot(), held_snapshot()
+    kept = held.holder
+    freed.holder.discard()
+    assert freed.holder is None and held.holder is kept
+
+
 def test_snapshot_of_zero_tokens_is_empty(cap):
     lists = cap.snapshot(0, np.zeros(0, dtype=np.int64)).result()
     assert lists.routing_data.shape == (0, *SPEC.token_shape)

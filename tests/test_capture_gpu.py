@@ -316,9 +316,13 @@ def test_a_slot_mapping_row_longer_than_the_step_is_read_in_place(narrowing):
     assert_snapshot_equals(cap.snapshot_leading(16, mappings[0]).result(), ids, mappings[0, :16], DEEPSEEK)
 
 
-def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):
-    """The runner's output copy stream: it waits for the compute stream, takes the one
-    copy, records a blocking event, and ``result()`` needs no wait of its own."""
+@pytest.mark.parametrize("copy_on", ["output stream", "forward stream"])
+def test_a_deferred_copy_is_covered_by_the_runners_own_output_event(narrowing, copy_on):
+    """The runner's output copy stream waits for the compute stream and records a
+    blocking event; waiting for that event alone, with two steps in flight, every
+    result is its own step's, and slotroute recorded no event. V2 enqueues the copy
+    on that output stream; V1 on the forward's stream, ahead of sampling
+    (``WorkerRouting.snapshot``)."""
     cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=2048, device="cuda", ring_depth=3)
     poison(cap)
     out_stream = torch.cuda.Stream()
@@ -328,19 +332,24 @@ def test_a_deferred_copy_on_the_callers_stream_is_the_only_copy(narrowing):
         capture_step(cap, ids)
         slots = torch.randperm(10 * len(ids), device="cuda")[: len(ids)]
         pending = cap.snapshot(len(ids), slots, clear=True, defer_copy=True)
+        if copy_on == "forward stream":
+            pending.enqueue_copy()
+            torch.randn(4096, 4096, device="cuda").argmax(dim=-1)  # "sampling", after it on the same stream
         out_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(out_stream):
-            pending.enqueue_copy()
+            pending.enqueue_copy()  # a no-op where it was enqueued already
             copied = torch.cuda.Event(blocking=True)
             copied.record(out_stream)
         in_flight.append((pending, copied, ids, slots.clone()))
         if len(in_flight) == 2:  # two steps in flight, as vLLM's async scheduling keeps them
             pending, copied, ids, expected = in_flight.pop(0)
             copied.synchronize()
+            assert pending.done()  # nothing of slotroute's left to wait for
             assert_snapshot_equals(pending.result(), ids, expected, DEEPSEEK)
     for pending, copied, ids, expected in in_flight:
         copied.synchronize()
         assert_snapshot_equals(pending.result(), ids, expected, DEEPSEEK)
+    assert len(cap._ring) == 3  # two in flight never needed more than the ring
 
 
 def test_deferred_snapshots_beyond_the_ring_grow_it_then_get_buffers_of_their_own(narrowing):
@@ -358,6 +367,26 @@ def test_deferred_snapshots_beyond_the_ring_grow_it_then_get_buffers_of_their_ow
     torch.cuda.synchronize()
     for pending, ids, slots in steps:
         assert_snapshot_equals(pending.result(), ids, slots, DEEPSEEK)
+
+
+def test_a_discarded_snapshot_frees_its_ring_slot_for_the_next_steps(narrowing):
+    """A step whose sampling raised is discarded unread: the ring does not grow, and the
+    steps after it, reusing its slot in stream order, read their own rows."""
+    cap = RoutedExpertsCapturer(DEEPSEEK, max_num_tokens=256, device="cuda", ring_depth=2)
+    for step in range(6):
+        ids = random_routing(DEEPSEEK, 256, seed=600 + step)
+        capture_step(cap, ids)
+        slots = torch.arange(256, device="cuda") * (step + 2)
+        pending = cap.snapshot_leading(256, slots, defer_copy=True)
+        pending.enqueue_copy()
+        if step % 2 == 0:
+            pending.discard()
+            with pytest.raises(ValueError, match="discarded unread"):
+                pending.result()
+        else:
+            torch.cuda.current_stream().synchronize()
+            assert_snapshot_equals(pending.result(), ids, slots, DEEPSEEK)
+    assert len(cap._ring) == 2
 
 
 def test_a_deferred_snapshot_whose_copy_nobody_enqueued_copies_when_resolved(narrowing):

@@ -413,13 +413,18 @@ def test_v1_step_that_returns_its_output_early_takes_no_snapshot():
 
 
 def test_v1_snapshot_of_a_step_whose_sampling_raised_never_ships_with_a_later_step():
+    from slotroute.vllm import runner_v1
+
     events: list[str] = []
     runner, step = _wrapped_v1_step(events)
     _, sample = step([[1, 2]], [0], grammar_output="raise")
     with pytest.raises(RuntimeError, match="sampling failed"):
         sample()
+    unread = runner.__dict__[runner_v1._PENDING]
     runner.execute_model_state = None  # vLLM's next step starts clean
     _, sample = step([[6, 5], [4, 3]], [8, 9])
+    with pytest.raises(ValueError, match="discarded unread"):  # its ring slot was given back
+        unread.result()
     routing = shipped_routing(sample())
     np.testing.assert_array_equal(routing.slot_mapping, [8, 9])  # this step's rows, not the failed one's
     np.testing.assert_array_equal(routing.routing_data[:, 0], [[6, 5], [4, 3]])

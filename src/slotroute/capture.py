@@ -379,6 +379,18 @@ class PendingSnapshot:
             raise self._error
         return self._arrays
 
+    def discard(self) -> None:
+        """Give the snapshot up unread (a step whose sampling raised): its ring slot is
+        free for later snapshots at once, which their stream orders after this one's
+        kernel and copy. No wait; :meth:`result` then raises. Bounded by a few
+        attribute writes."""
+        slot = self._slot
+        if slot is not None and slot.holder is self:
+            slot.holder = None
+        self._slot = self._host = self._host_np = self._layout = self._host_slots = None
+        self._arrays, self._result, self._failed_slots = None, None, None
+        self._error = ValueError(f"the routing snapshot of this step of {self._num_tokens} tokens was discarded unread")
+
     def failed_slots(self) -> np.ndarray | None:
         """The KV slots of the step (int64) if :meth:`result` raised, so that a caller
         can drop what the step would have written; ``None`` otherwise."""

@@ -8,7 +8,9 @@ to the host in ``_bookkeeping_sync`` (sync) or in ``AsyncGPUModelRunnerOutput``
 (async scheduling). slotroute's ``init_routed_experts_capturer`` binds a
 :class:`~slotroute.vllm.worker.WorkerRouting` instead and leaves that flag off, so
 none of vLLM's int32 copies run; ``execute_model`` resets the step's rows before the
-forward and snapshots them after it, and ``sample_tokens`` sets
+forward and snapshots them after it (no event of slotroute's: vLLM's wait for the
+sampled tokens covers the snapshot, NOTE 1 of ``_make_sample_tokens``), and
+``sample_tokens`` sets
 ``ModelRunnerOutput.routed_experts`` from the checked narrow snapshot, on both
 scheduling paths.
 
@@ -109,6 +111,9 @@ def _make_execute_model(original):
         if routing is None:
             return original(self, scheduler_output, intermediate_tensors)
         routing.begin_step(scheduler_output.total_num_scheduled_tokens)
+        unread = self.__dict__.get(_PENDING)
+        if unread is not None:  # the last step's sampling raised: its ring slot is free again
+            unread.discard()
         self.__dict__[_PENDING] = None
         output = original(self, scheduler_output, intermediate_tensors)
         state = self.execute_model_state
@@ -138,11 +143,12 @@ def _make_sample_tokens(original, ship=_ship_routed_experts):
     attaches the snapshot ``execute_model`` took to the sync output (with ``ship``),
     or wraps the async one.
 
-    NOTE 1: the snapshot kernel is enqueued after the forward and before sampling, so
-    vLLM's own wait for the sampled tokens (its async output's copy event, or the sync
-    path's host copy) also covers it: shipping then finds the kernel's event complete
-    instead of sleeping on it. Launched after sampling, the kernel could end after
-    vLLM's copy, and the blocking wait for it then cost the engine a wake-up."""
+    NOTE 1: the snapshot kernel (and its copy, where it stages) is enqueued after the
+    forward and before sampling, on the forward's stream, so vLLM's own wait for the
+    sampled tokens (its async output's copy event, recorded on a stream that waits for
+    the forward's, or the sync path's host sync) also covers it: the snapshot records
+    no event of its own, and shipping waits on none (``WorkerRouting.snapshot``).
+    Launched after sampling, the kernel would not be covered by that wait."""
 
     def sample_tokens(self, grammar_output):
         output = original(self, grammar_output)

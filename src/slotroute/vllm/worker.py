@@ -204,6 +204,13 @@ class WorkerRouting:
         """Start shipping the routing of the step the V1 runner's ``state``
         (``ExecuteModelState``) ran; ``None`` for a step without tokens.
 
+        Called on the forward's stream before sampling: the snapshot's kernel, and its
+        copy where it stages, are enqueued there, and vLLM's own wait for the step's
+        sampled tokens covers them (the async output's copy event, recorded on a
+        stream that waited for this one, or the synchronous path's host sync). So the
+        snapshot records no event and its result waits on none: call
+        :meth:`~slotroute.capture.PendingSnapshot.result` only after that wait.
+
         Raises
         ------
         ValueError
@@ -219,7 +226,9 @@ class WorkerRouting:
                 "slotroute needs one slot mapping per step (a dict by layer name), got "
                 f"{type(state.slot_mappings).__name__}: micro-batching is not supported"
             )
-        return self.snapshot_step(n, state.slot_mappings[self.attn_layer])
+        pending = self.snapshot_step(n, state.slot_mappings[self.attn_layer], defer_copy=True)
+        pending.enqueue_copy()  # on this stream, ahead of sampling
+        return pending
 
     def snapshot_step(
         self, num_tokens: int, slots: torch.Tensor, defer_copy: bool = False, row: int | None = None
