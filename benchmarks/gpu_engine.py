@@ -388,6 +388,15 @@ def plan(configs: list[str], rounds: int) -> list[dict]:
     return children
 
 
+def expected_child_s(children: list[dict], warm_up: bool) -> float:
+    """How long the next child is expected to take: the longest child of its kind
+    (warm-ups compile, counted children load cached graphs) that ran, in this call or
+    an earlier one of the same run; before any child of its kind, the longest child
+    of any kind, and 60 s before any child at all."""
+    same = [c["wall_s"] for c in children if "wall_s" in c and (c["round"] == 0) == warm_up]
+    return max(same or [c["wall_s"] for c in children if "wall_s" in c] or [60.0])
+
+
 def _spread(values: list[float]) -> dict:
     return dict(median=statistics.median(values), min=min(values), max=max(values), n=len(values))
 
@@ -569,7 +578,6 @@ def main() -> None:
     env = dict(os.environ)
     if args.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    longest = 0.0
     pending = [c for c in state["children"] if "results" not in c]
     if args.rewarm and pending:  # the configurations still to run, each warmed up first
         at = state["children"].index(pending[0])
@@ -579,7 +587,8 @@ def main() -> None:
     for entry in state["children"]:
         if "results" in entry:
             continue
-        if args.budget_s is not None and time.perf_counter() - began + 1.2 * max(longest, 60.0) > args.budget_s:
+        expected = expected_child_s(state["children"], warm_up=entry["round"] == 0)
+        if args.budget_s is not None and time.perf_counter() - began + 1.2 * expected > args.budget_s:
             print("budget: stopping before the next child; run the same command again to continue", flush=True)
             break
         child_env = dict(env)
@@ -595,7 +604,6 @@ def main() -> None:
             command.append("--detail")
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
-        longest = max(longest, time.perf_counter() - child_began)
         lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
         if result.returncode != 0 or not lines:
             entry["failed"] = f"exit {result.returncode}: {result.stderr[-2000:]}"

@@ -24,6 +24,17 @@ def test_plan_discards_a_warm_up_of_each_configuration_then_rotates_the_order_ea
     ]
 
 
+def test_a_child_is_expected_to_take_as_long_as_the_longest_of_its_kind_that_ran():
+    children = gpu_engine.plan(["off", "slotroute"], rounds=2)
+    assert gpu_engine.expected_child_s(children, warm_up=True) == 60.0
+    children[0]["wall_s"], children[1]["wall_s"] = 190.0, 210.0
+    # no counted child yet: as long as the longest warm-up
+    assert gpu_engine.expected_child_s(children, warm_up=False) == 210.0
+    children[2]["wall_s"], children[3]["wall_s"] = 104.0, 111.0
+    assert gpu_engine.expected_child_s(children, warm_up=False) == 111.0
+    assert gpu_engine.expected_child_s(children, warm_up=True) == 210.0
+
+
 def child(round_, config, tok_s, scheduler_us=10.0):
     metrics = dict(tok_s=tok_s, req_min=tok_s / 10, worker_us_per_step=5.0, scheduler_us_per_step=scheduler_us,
                    bytes_per_step=100.0)
