@@ -17,7 +17,9 @@ cache hits on every turn after the first); ``multi-turn-start``: the same with
 the earlier turns' rows asks (routing off runs it without).
 
 Each configuration runs in its own process (vLLM caches its environment per
-process). A first child of each configuration, discarded, fills its compile caches;
+process). A first child of each configuration, discarded, fills its compile caches
+(``--warm-up compile``: it only starts the engine and serves a few requests, sparing
+the workloads' time, with no per-call breakdown);
 then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
 max over rounds of generated tok/s and requests/min, host time per engine step in the
@@ -36,7 +38,7 @@ The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
 off,slotroute`` there).
 
-usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--json OUT] [--budget-s S]
+usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile] [--json OUT] [--budget-s S]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
 is a smoke run that fits a CPU build of vLLM.)
 """
@@ -324,7 +326,7 @@ def child(args) -> None:
 
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
     results = {}
-    for name in WORKLOADS:
+    for name in () if args.compile_only else WORKLOADS:
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
@@ -557,7 +559,12 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
     parser.add_argument("--rewarm", action="store_true",
                         help="continuing on another machine: warm up each configuration still to run first")
+    parser.add_argument("--warm-up", choices=("full", "compile"), default="full",
+                        help="what the discarded warm-up children run: every workload, timing every routing call "
+                             "(the per-call breakdown), or only the engine start and a few requests (fills the "
+                             "compile caches, sparing the workloads' time)")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -601,7 +608,7 @@ def main() -> None:
         if args.eager:
             command.append("--eager")
         if entry["round"] == 0:
-            command.append("--detail")
+            command.append("--detail" if args.warm_up == "full" else "--compile-only")
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
         lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]

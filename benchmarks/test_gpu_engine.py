@@ -35,6 +35,16 @@ def test_a_child_is_expected_to_take_as_long_as_the_longest_of_its_kind_that_ran
     assert gpu_engine.expected_child_s(children, warm_up=True) == 210.0
 
 
+def test_warm_ups_that_only_compiled_leave_the_rounds_figures_whole_and_no_breakdown():
+    children = [dict(round=0, config=c, results={}) for c in ("off", "vllm", "slotroute")]
+    children += [child(1, "off", 100), child(1, "vllm", 98), child(1, "slotroute", 99)]
+    summary = gpu_engine.summarize(children)
+    assert summary["breakdown"] == {} and summary["routing_calls"] == {}
+    assert summary["comparisons"]["rollout: slotroute / off (tok_s)"]["ratio_of_medians"] == pytest.approx(0.99)
+    report = gpu_engine.report(summary, "h")
+    assert "Per-call breakdown" not in report and "| rollout | slotroute | 99 (99-99) |" in report
+
+
 def child(round_, config, tok_s, scheduler_us=10.0):
     metrics = dict(tok_s=tok_s, req_min=tok_s / 10, worker_us_per_step=5.0, scheduler_us_per_step=scheduler_us,
                    bytes_per_step=100.0)
