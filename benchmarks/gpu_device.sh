@@ -20,7 +20,7 @@
 #
 # `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
 # end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
-# $OUT where it is set.
+# $OUT where it is set (the JSON every 15 s too, for a call stopped at its time limit).
 set -u
 cd "$(dirname "$0")/.."
 SR=/tmp/sr
@@ -68,8 +68,12 @@ tests)
   ;;
 bench)
   runner=${2:?v2 or v1}; budget=${3:?seconds}; shift 3
+  # The JSON (rewritten after every child) goes to $OUT every 15 s as well, so that a call
+  # stopped at its time limit still brings back every child that finished.
+  ( while sleep 15; do cp /tmp/gpu_engine_$runner.json "$OUT"/ 2>/dev/null; done ) & copier=$!
   python3 benchmarks/gpu_engine.py --runner "$runner" --json /tmp/gpu_engine_$runner.json --budget-s "$budget" "$@" \
     2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
+  kill $copier 2>/dev/null
   cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
   ;;
 pytest)

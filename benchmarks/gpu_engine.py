@@ -390,6 +390,14 @@ def plan(configs: list[str], rounds: int) -> list[dict]:
     return children
 
 
+def write_json(path: Path, state: dict) -> None:
+    """``state`` to ``path`` whole or not at all (written beside it, then renamed), so
+    that a copy taken at any moment, or a call stopped mid-write, holds a readable run."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(json.dumps(state, indent=1))
+    os.replace(part, path)
+
+
 def expected_child_s(children: list[dict], warm_up: bool) -> float:
     """How long the next child is expected to take: the longest child of its kind
     (warm-ups compile, counted children load cached graphs) that ran, in this call or
@@ -625,7 +633,7 @@ def main() -> None:
             print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
                   + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items()) + pool, flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(state, indent=1))
+            write_json(Path(args.json), state)
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
@@ -638,7 +646,7 @@ def main() -> None:
               f"rounds done: {max([c['round'] for c in done] or [0])} of {args.rounds} (round 0, the warm-up, left out)")
     print("\n" + report(state["summary"], header), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(state, indent=1))
+        write_json(Path(args.json), state)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ made-up children: the rounds it runs and how it says whether a difference is res
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 from types import SimpleNamespace
 
@@ -43,6 +44,14 @@ def test_warm_ups_that_only_compiled_leave_the_rounds_figures_whole_and_no_break
     assert summary["comparisons"]["rollout: slotroute / off (tok_s)"]["ratio_of_medians"] == pytest.approx(0.99)
     report = gpu_engine.report(summary, "h")
     assert "Per-call breakdown" not in report and "| rollout | slotroute | 99 (99-99) |" in report
+
+
+def test_the_run_is_written_whole_by_a_rename(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text("an earlier run")
+    gpu_engine.write_json(path, {"children": [{"round": 0, "config": "off"}]})
+    assert json.loads(path.read_text()) == {"children": [{"round": 0, "config": "off"}]}
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # nothing left beside it
 
 
 def child(round_, config, tok_s, scheduler_us=10.0):
