@@ -384,10 +384,7 @@ class PendingSnapshot:
         free for later snapshots at once, which their stream orders after this one's
         kernel and copy. No wait; :meth:`result` then raises. Bounded by a few
         attribute writes."""
-        slot = self._slot
-        if slot is not None and slot.holder is self:
-            slot.holder = None
-        self._slot = self._host = self._host_np = self._layout = self._host_slots = None
+        self._release()
         self._arrays, self._result, self._failed_slots = None, None, None
         self._error = ValueError(f"the routing snapshot of this step of {self._num_tokens} tokens was discarded unread")
 
@@ -397,6 +394,14 @@ class PendingSnapshot:
         if self._slot is not None:
             self._resolve()
         return self._failed_slots if self._error is not None else None
+
+    def _release(self) -> None:
+        """Free the ring slot (if this snapshot still holds it) and drop every
+        reference to host memory, so that nothing here keeps the slot's bytes alive."""
+        slot = self._slot
+        if slot is not None and slot.holder is self:
+            slot.holder = None
+        self._slot = self._host = self._host_np = self._layout = self._host_slots = None
 
     def _resolve(self) -> None:
         # Bounded by the wait for the copy (the pipeline's only host wait, on a blocking
@@ -423,9 +428,7 @@ class PendingSnapshot:
             slots = slots if self._host_slots is not None else owned_copy(slots)
         # A nonzero byte among the counts is a nonzero count: the sum only then.
         bad = int(host[counts_at:total].view(np.int32).sum()) if host[counts_at:total].tobytes().strip(b"\0") else 0
-        if slot.holder is self:
-            slot.holder = None
-        self._slot = self._host = self._host_np = self._layout = self._host_slots = None
+        self._release()
         if bad:
             self._error = _range_error(spec, n, bad, data, slots)
             self._failed_slots = slots if copied_out else slots.copy()
