@@ -18,15 +18,22 @@
 #   bash benchmarks/gpu_device.sh cache restore DIR   # unpack them from DIR (carried) on a fresh machine, so a
 #                                                     # `bench` continued there starts its children with warm caches
 #
-# `bench` keeps its state in /tmp/gpu_engine_RUNNER.json and starts no child that would
-# end after BUDGET_S seconds: the same command continues it. Logs and JSON are copied to
-# $OUT where it is set (the JSON every 15 s too, for a call stopped at its time limit).
+# `bench` and `offload` keep their state in /tmp/gpu_engine_RUNNER.json and
+# /tmp/gpu_offload_MODE.json and start no child that would end after BUDGET_S seconds: the
+# same command continues them. Logs and JSON are copied to $OUT where it is set (the JSON
+# every 15 s too, for a call stopped at its time limit).
 set -u
 cd "$(dirname "$0")/.."
 SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:${VLLM_SITE:+$VLLM_SITE:}/tmp/site
+# A run's JSON, rewritten whole after every child, goes to $OUT every 15 s
+# (COPY_EVERY_S) as well, so that a call stopped at its time limit still brings back
+# every child that finished.
+# The copier holds none of the call's output open, and stopping it stops its sleep too.
+copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
+stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
 case ${1:?install, tests, bench, offload, pytest, vllm or cache} in
 cache)
   dirs="root/.cache/vllm tmp/torchinductor_root root/.triton/cache"
@@ -68,12 +75,10 @@ tests)
   ;;
 bench)
   runner=${2:?v2 or v1}; budget=${3:?seconds}; shift 3
-  # The JSON (rewritten after every child) goes to $OUT every 15 s as well, so that a call
-  # stopped at its time limit still brings back every child that finished.
-  ( while sleep 15; do cp /tmp/gpu_engine_$runner.json "$OUT"/ 2>/dev/null; done ) & copier=$!
+  copy_periodically /tmp/gpu_engine_$runner.json
   python3 benchmarks/gpu_engine.py --runner "$runner" --json /tmp/gpu_engine_$runner.json --budget-s "$budget" "$@" \
     2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
-  kill $copier 2>/dev/null
+  stop_copying
   cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
   ;;
 pytest)
@@ -84,8 +89,10 @@ pytest)
   ;;
 offload)
   mode=${2:?exact or bench}; budget=${3:?seconds}
+  copy_periodically /tmp/gpu_offload_$mode.json
   python3 benchmarks/gpu_offload.py $([ "$mode" = exact ] && echo --exact) --json /tmp/gpu_offload_$mode.json \
     --budget-s "$budget" 2>&1 | tee -a /tmp/gpu_offload_$mode.log | grep -v -E "^\s*$" | tail -40
+  stop_copying
   cp /tmp/gpu_offload_$mode.json /tmp/gpu_offload_$mode.log "$OUT"/ 2>/dev/null
   ;;
 esac

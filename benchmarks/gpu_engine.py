@@ -398,13 +398,14 @@ def write_json(path: Path, state: dict) -> None:
     os.replace(part, path)
 
 
-def expected_child_s(children: list[dict], warm_up: bool) -> float:
+def expected_child_s(children: list[dict], warm_up: bool, key: str = "wall_s") -> float:
     """How long the next child is expected to take: the longest child of its kind
     (warm-ups compile, counted children load cached graphs) that ran, in this call or
     an earlier one of the same run; before any child of its kind, the longest child
-    of any kind, and 60 s before any child at all."""
-    same = [c["wall_s"] for c in children if "wall_s" in c and (c["round"] == 0) == warm_up]
-    return max(same or [c["wall_s"] for c in children if "wall_s" in c] or [60.0])
+    of any kind, and 60 s before any child at all. ``key`` names each child's whole
+    time in its entry."""
+    same = [c[key] for c in children if key in c and (c["round"] == 0) == warm_up]
+    return max(same or [c[key] for c in children if key in c] or [60.0])
 
 
 def _spread(values: list[float]) -> dict:

@@ -216,6 +216,9 @@ def main() -> None:
         child(args)
         return
     began = time.perf_counter()
+    sys.path.insert(0, str(HERE))
+    from gpu_engine import expected_child_s, write_json
+
     work = Path(tempfile.gettempdir()) / "gpu_offload"
     work.mkdir(exist_ok=True)
     configs = args.configs.split(",")
@@ -231,7 +234,6 @@ def main() -> None:
             print("EXACT " + json.dumps(compare_exact({c: p for c, p in kept.items() if p.exists()}, model), indent=1))
             return
     else:
-        sys.path.insert(0, str(HERE))
         from gpu_engine import plan as rotated, write_config
 
         model = str(write_config(work / f"qwen3-30b-a3b-shape-{args.layers}", args.layers))
@@ -242,11 +244,11 @@ def main() -> None:
         previous = json.loads(Path(args.json).read_text())
         if previous.get("setup") == setup:
             state = previous
-    longest = 0.0
     for entry in state["children"]:
         if "tok_s" in entry:
             continue
-        if args.budget_s is not None and time.perf_counter() - began + 1.2 * max(longest, 60.0) > args.budget_s:
+        expected = expected_child_s(state["children"], warm_up=False, key="child_s")
+        if args.budget_s is not None and time.perf_counter() - began + 1.2 * expected > args.budget_s:
             print("budget: stopping before the next child; run the same command again to continue", flush=True)
             break
         env = dict(os.environ)
@@ -257,10 +259,10 @@ def main() -> None:
         command += ["--exact"] * args.exact + ["--smoke"] * args.smoke
         child_began = time.perf_counter()
         result = subprocess.run(command, env=env, capture_output=True, text=True)
-        longest = max(longest, time.perf_counter() - child_began)
         lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
         if result.returncode != 0 or not lines:
-            entry["failed"] = f"exit {result.returncode}: {result.stderr[-3000:]}"
+            entry.update(failed=f"exit {result.returncode}: {result.stderr[-3000:]}",
+                         child_s=time.perf_counter() - child_began)
             print(f"{entry['config']} round {entry['round']}: failed\n{result.stderr[-5000:]}", flush=True)
         else:
             entry.update(json.loads(lines[-1][6:]), child_s=time.perf_counter() - child_began, pickle=str(out))
@@ -268,7 +270,7 @@ def main() -> None:
                   f"{entry['prompt_tokens_computed']} prompt tokens computed, {entry['tokens_loaded']} loaded, "
                   f"{entry['child_s']:.0f} s", flush=True)
         if args.json:
-            Path(args.json).write_text(json.dumps(state, indent=1))
+            write_json(Path(args.json), state)
     done = [c for c in state["children"] if "tok_s" in c]
     import torch
 
@@ -289,7 +291,7 @@ def main() -> None:
         print(f"  {config:9s} " + ", ".join(f"{k} {v['median']:.0f} [{v['min']:.0f}, {v['max']:.0f}] n={v['n']}"
                                           for k, v in figures.items()), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(state, indent=1))
+        write_json(Path(args.json), state)
 
 
 if __name__ == "__main__":

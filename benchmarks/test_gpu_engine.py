@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -145,3 +147,30 @@ def test_routing_calls_compare_the_warm_up_childrens_timed_calls_of_each_path():
     assert calls["slotroute"] == dict(worker=200.0, scheduler=400.0, total=600.0)
     assert calls["slotroute / vllm"] == pytest.approx(600 / 1200)
     assert "| rollout | 600 (200 + 400) | 1200 (900 + 300) | 0.500 |" in gpu_engine.report(gpu_engine.summarize(children), "h")
+
+
+@pytest.mark.parametrize("command", ["bench", "offload"])
+def test_gpu_device_sh_brings_the_runs_json_back_while_the_run_goes_on(tmp_path, command):
+    # A stand-in for python3 that writes the run's JSON, waits, and reports whether the
+    # JSON reached $OUT while it still ran (the call's time limit could stop it there).
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(
+        "#!/bin/bash\n"
+        'while [ $# -gt 0 ]; do [ "$1" = --json ] && json=$2; shift; done\n'
+        'echo \'{"children": []}\' > "$json"\n'
+        "sleep 1.5\n"
+        'if [ -f "$OUT/$(basename "$json")" ]; then echo "JSON IN OUT"; else echo "JSON NOT IN OUT"; fi\n'
+    )
+    fake.chmod(0o755)
+    name = f"copytest{os.getpid()}"
+    env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}", OUT=str(tmp_path / "out"), COPY_EVERY_S="0.3")
+    script = pathlib.Path(__file__).with_name("gpu_device.sh")
+    try:
+        done = subprocess.run(["bash", str(script), command, name, "100"], env=env, capture_output=True, text=True,
+                              timeout=60)
+    finally:
+        for leftover in pathlib.Path("/tmp").glob(f"gpu_*_{name}.*"):
+            leftover.unlink()
+    assert "JSON IN OUT" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "out" / f"gpu_{'engine' if command == 'bench' else 'offload'}_{name}.json").exists()
