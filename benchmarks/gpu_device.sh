@@ -28,10 +28,8 @@ SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
   DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONPATH=$SR:/tmp/tsite:${VLLM_SITE:+$VLLM_SITE:}/tmp/site
-# A run's JSON, rewritten whole after every child, goes to $OUT every 15 s
-# (COPY_EVERY_S) as well, so that a call stopped at its time limit still brings back
-# every child that finished.
-# The copier holds none of the call's output open, and stopping it stops its sleep too.
+# copy_periodically FILE: FILE to $OUT every COPY_EVERY_S (15) seconds. The copier holds
+# none of the call's output open, and stop_copying stops its sleep too.
 copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
 stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
 case ${1:?install, tests, bench, offload, pytest, vllm or cache} in

@@ -217,7 +217,7 @@ def main() -> None:
         return
     began = time.perf_counter()
     sys.path.insert(0, str(HERE))
-    from gpu_engine import expected_child_s, write_json
+    from gpu_engine import expected_child_s, plan as rotated, write_config, write_json
 
     work = Path(tempfile.gettempdir()) / "gpu_offload"
     work.mkdir(exist_ok=True)
@@ -234,8 +234,6 @@ def main() -> None:
             print("EXACT " + json.dumps(compare_exact({c: p for c, p in kept.items() if p.exists()}, model), indent=1))
             return
     else:
-        from gpu_engine import plan as rotated, write_config
-
         model = str(write_config(work / f"qwen3-30b-a3b-shape-{args.layers}", args.layers))
         plan = [c for c in rotated(configs, args.rounds) if c["round"]]  # no warm-up child: tok/s excludes the start
         setup = dict(mode="bench", workload=BENCH, configs=configs, layers=args.layers, rounds=args.rounds)
