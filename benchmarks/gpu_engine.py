@@ -28,11 +28,13 @@ worker's routing calls and in vLLM's whole scheduler (``schedule`` and
 bytes shipped per step; the host time each routing path adds (its worker calls plus
 the scheduler's time beyond routing off's in the same round); and for each comparison
 the ratio of medians with the range of the same-round ratios, flagged where that range
-is wider than the difference claimed. Counted children wrap nothing that runs once per
-request, so their tok/s pays no timing; the warm-up children time every routing call,
-for a per-call breakdown. Every child's figures
-go to ``--json``; with ``--budget-s`` the run stops before a child that would not
-finish in time, and the same command line continues it from the JSON.
+is wider than the difference claimed; and where each workload's time went: the engine's
+step period, and at each ``generate`` call's start and end the time before its first
+step, its last step's ``update_from_output`` and the time after it (``timeline``).
+Counted children wrap nothing that runs once per request, so their tok/s pays no
+timing; the warm-up children time every routing call, for a per-call breakdown. Every
+child's figures go to ``--json``; with ``--budget-s`` the run stops before a child
+that would not finish in time, and the same command line continues it from the JSON.
 
 The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
@@ -301,12 +303,15 @@ def child(args) -> None:
     # vLLM's whole scheduler, timed alike in every configuration: what routing adds to
     # it is the difference from routing off.
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    timer.wrap(scheduler, "update_from_output", "steps")
+    step_ends: list[float] = []  # when each update_from_output returned: the engine's steps, in time
+    timer.wrap(scheduler, "update_from_output", "steps", on_call=lambda args, result: step_ends.append(time.perf_counter()))
     timer.wrap(scheduler, "schedule", "schedule")
     config = llm.llm_engine.vllm_config
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
     routing = args.child != "off"
+
+    generate_calls: list[tuple] = []  # (called, steps' ends, returned, the last step's update_from_output seconds)
 
     def run(prompts, n, starts=None):
         params = [
@@ -316,7 +321,12 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
+        called, first = time.perf_counter(), len(step_ends)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        returned, ends = time.perf_counter(), step_ends[first:]
+        # the last step's update_from_output: where the finished requests' outputs are made
+        last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
+        generate_calls.append((called, ends, returned, last_update))
         for output, start in zip(outputs, starts or [0] * len(prompts)):
             routed = output.outputs[0].routed_experts
             expected = len(output.prompt_token_ids) + n - 1 - start
@@ -330,6 +340,7 @@ def child(args) -> None:
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
+        generate_calls.clear()
         pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
@@ -365,6 +376,7 @@ def child(args) -> None:
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
+            **timeline(generate_calls, wall),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -376,6 +388,29 @@ def child(args) -> None:
         async_scheduling=bool(config.scheduler_config.async_scheduling),
         host_reserved_bytes=pool["reserved"],
     )), flush=True)
+
+
+def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
+    """Where a workload's time went, from each ``generate`` call's start, the ends of
+    its engine steps (``update_from_output`` returning), its return and its last
+    step's ``update_from_output`` seconds: the median interval between consecutive
+    steps' ends within a call (the engine's step period while requests run: the
+    forward, or the host where it is not hidden behind it); summed over calls, each
+    call's time to its first step's end (adding the requests and the first step), its
+    last step's ``update_from_output`` (the finished requests' outputs made: slotroute
+    reads their rows there) and the time from that step's end to its return (the
+    outputs handed back: vLLM's own path joins its rows there), all three with no
+    forward left to overlap them at a turn's end; and the workload's time outside
+    ``generate`` (the benchmark's own checks and next prompts)."""
+    periods = [b - a for _, ends, _, _ in generate_calls for a, b in zip(ends, ends[1:])]
+    stepped = [call for call in generate_calls if call[1]]
+    return dict(
+        step_period_us=1e6 * statistics.median(periods) if periods else None,
+        turn_start_ms=1e3 * sum(ends[0] - called for called, ends, _, _ in stepped),
+        last_update_ms=1e3 * sum(last_update for _, _, _, last_update in stepped),
+        turn_end_ms=1e3 * sum(returned - ends[-1] for _, ends, returned, _ in stepped),
+        outside_generate_ms=1e3 * (wall_s - sum(returned - called for called, _, returned, _ in generate_calls)),
+    )
 
 
 def plan(configs: list[str], rounds: int) -> list[dict]:
@@ -413,6 +448,9 @@ def _spread(values: list[float]) -> dict:
 
 
 METRICS = ("tok_s", "req_min", "worker_us_per_step", "scheduler_us_per_step", "bytes_per_step")
+# Where the time went (``timeline``), in children from 2026-11-27 on: summarized where
+# every round of a configuration has them.
+TIMELINE = ("step_period_us", "turn_start_ms", "last_update_ms", "turn_end_ms", "outside_generate_ms")
 # What a routing path adds to the host per step: its worker calls, and the scheduler's
 # time beyond routing off's in the same round.
 ADDED = ("vllm", "slotroute")
@@ -433,6 +471,10 @@ def summarize(children: list[dict]) -> dict:
         for config in dict.fromkeys(c["config"] for c in rounds):
             runs = [c["results"][workload] for c in rounds if c["config"] == config and workload in c["results"]]
             by_config[config] = {metric: _spread([r[metric] for r in runs]) for metric in METRICS}
+            by_config[config].update({
+                metric: _spread([r[metric] for r in runs]) for metric in TIMELINE
+                if all(r.get(metric) is not None for r in runs)
+            })
         summary["configs"][workload] = by_config
         for config, against, claim in COMPARISONS:
             if config not in by_config or against not in by_config:
@@ -516,6 +558,19 @@ def report(summary: dict, header: str) -> str:
                 f"{m['req_min']['median']:.1f} | {m['worker_us_per_step']['median']:.1f} | "
                 f"{m['scheduler_us_per_step']['median']:.1f} | {m['bytes_per_step']['median']:.0f} |"
             )
+    if any("step_period_us" in m for by_config in summary["configs"].values() for m in by_config.values()):
+        lines += ["", "| workload | config | step period us, median (min-max) | turn starts ms "
+                  "| last steps' update_from_output ms | turn ends ms | outside generate ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for workload, by_config in summary["configs"].items():
+            for config, m in by_config.items():
+                if all(k in m for k in TIMELINE):
+                    p = m["step_period_us"]
+                    lines.append(
+                        f"| {workload} | {config} | {p['median']:.0f} ({p['min']:.0f}-{p['max']:.0f}) | "
+                        + " | ".join(f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})"
+                                     for k in TIMELINE[1:]) + " |"
+                    )
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
 

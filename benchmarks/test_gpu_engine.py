@@ -87,6 +87,39 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
 
 
+def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_calls_ends():
+    # two generate calls (turns): steps end 10 ms apart in the first, 20 ms in the second
+    calls = [(0.0, [0.050, 0.060, 0.070, 0.080], 0.095, 0.004), (0.100, [0.130, 0.150, 0.170], 0.190, 0.006)]
+    t = gpu_engine.timeline(calls, wall_s=0.2)
+    assert t["step_period_us"] == pytest.approx(10_000.0)  # median of 10, 10, 10, 20, 20 ms
+    assert t["turn_start_ms"] == pytest.approx(50.0 + 30.0)
+    assert t["last_update_ms"] == pytest.approx(4.0 + 6.0)
+    assert t["turn_end_ms"] == pytest.approx(15.0 + 20.0)
+    assert t["outside_generate_ms"] == pytest.approx(200.0 - 95.0 - 90.0)
+    # a call that ran no step (nothing to schedule) adds no start or end, and no period
+    empty = gpu_engine.timeline([(0.0, [], 0.001, 0.0)], wall_s=0.002)
+    assert empty["step_period_us"] is None and empty["turn_end_ms"] == 0.0 == empty["last_update_ms"]
+    assert empty["outside_generate_ms"] == pytest.approx(1.0)
+
+
+def test_the_timeline_is_summarized_and_printed_only_where_every_round_has_it():
+    def timed(round_, config, tok_s, period):
+        c = child(round_, config, tok_s)
+        c["results"]["rollout"].update(step_period_us=period, turn_start_ms=5.0, last_update_ms=2.0,
+                                       turn_end_ms=period / 100, outside_generate_ms=1.0)
+        return c
+
+    children = [timed(1, "off", 100, 1000.0), timed(1, "slotroute", 99, 1010.0),
+                timed(2, "off", 101, 1002.0), child(2, "slotroute", 100)]  # an older child: no timeline
+    configs = gpu_engine.summarize(children)["configs"]["rollout"]
+    assert configs["off"]["step_period_us"]["median"] == pytest.approx(1001.0)
+    assert configs["off"]["turn_end_ms"]["max"] == pytest.approx(10.02)
+    assert "step_period_us" not in configs["slotroute"]
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| rollout | off | 1001 (1000-1002) | 5.0 (5.0-5.0) | 2.0 (2.0-2.0) | 10.0 (10.0-10.0) | 1.0 (1.0-1.0) |" in report
+    assert "| rollout | slotroute | 1010" not in report
+
+
 def test_host_cost_is_what_each_path_adds_to_routing_offs_scheduler_in_the_same_round():
     def run(round_, config, worker, scheduler):
         metrics = dict(tok_s=100.0, req_min=10.0, worker_us_per_step=worker, scheduler_us_per_step=scheduler,
