@@ -425,6 +425,23 @@ def plan(configs: list[str], rounds: int) -> list[dict]:
     return children
 
 
+def record_child(entry: dict, result, seconds: float, time_key: str) -> bool:
+    """A finished child process (``result``: its exit status, stdout and stderr) into its
+    entry in the run's JSON: the figures of its last ``CHILD`` line, or where it exited
+    non-zero or printed none, ``failed`` with the exit status and stderr's end; its
+    time under ``time_key`` either way. A child run again after failing in an earlier
+    call keeps that failure as ``failed_before`` beside its figures, so that no entry
+    holds figures and ``failed`` at once. Returns whether it succeeded."""
+    lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
+    if result.returncode != 0 or not lines:
+        entry.update(failed=f"exit {result.returncode}: {result.stderr[-3000:]}", **{time_key: seconds})
+        return False
+    if "failed" in entry:
+        entry["failed_before"] = entry.pop("failed")
+    entry.update(json.loads(lines[-1][6:]), **{time_key: seconds})
+    return True
+
+
 def write_json(path: Path, state: dict) -> None:
     """``state`` to ``path`` whole or not at all (written beside it, then renamed), so
     that a copy taken at any moment, or a call stopped mid-write, holds a readable run."""
@@ -675,13 +692,10 @@ def main() -> None:
             command.append("--detail" if args.warm_up == "full" else "--compile-only")
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
-        lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
-        if result.returncode != 0 or not lines:
-            entry["failed"] = f"exit {result.returncode}: {result.stderr[-2000:]}"
+        if not record_child(entry, result, time.perf_counter() - child_began, "wall_s"):
             print(f"round {entry['round']} {entry['config']}: failed ({result.returncode})\n{result.stderr[-4000:]}",
                   flush=True)
         else:
-            entry.update(json.loads(lines[-1][6:]), wall_s=time.perf_counter() - child_began)
             results = entry["results"].values()
             pool = "" if entry["config"] != "slotroute" else (
                 f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "

@@ -217,7 +217,7 @@ def main() -> None:
         return
     began = time.perf_counter()
     sys.path.insert(0, str(HERE))
-    from gpu_engine import expected_child_s, plan as rotated, write_config, write_json
+    from gpu_engine import expected_child_s, plan as rotated, record_child, write_config, write_json
 
     work = Path(tempfile.gettempdir()) / "gpu_offload"
     work.mkdir(exist_ok=True)
@@ -257,13 +257,10 @@ def main() -> None:
         command += ["--exact"] * args.exact + ["--smoke"] * args.smoke
         child_began = time.perf_counter()
         result = subprocess.run(command, env=env, capture_output=True, text=True)
-        lines = [line for line in result.stdout.splitlines() if line.startswith("CHILD ")]
-        if result.returncode != 0 or not lines:
-            entry.update(failed=f"exit {result.returncode}: {result.stderr[-3000:]}",
-                         child_s=time.perf_counter() - child_began)
+        if not record_child(entry, result, time.perf_counter() - child_began, "child_s"):
             print(f"{entry['config']} round {entry['round']}: failed\n{result.stderr[-5000:]}", flush=True)
         else:
-            entry.update(json.loads(lines[-1][6:]), child_s=time.perf_counter() - child_began, pickle=str(out))
+            entry["pickle"] = str(out)
             print(f"{entry['config']} round {entry['round']}: {entry['tok_s']:.0f} tok/s, "
                   f"{entry['prompt_tokens_computed']} prompt tokens computed, {entry['tokens_loaded']} loaded, "
                   f"{entry['child_s']:.0f} s", flush=True)

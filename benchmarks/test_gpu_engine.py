@@ -56,6 +56,22 @@ def test_the_run_is_written_whole_by_a_rename(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["run.json"]  # nothing left beside it
 
 
+def test_a_child_that_failed_then_succeeds_holds_its_figures_and_the_earlier_failure_apart():
+    entry = dict(round=1, config="slotroute")
+    crashed = SimpleNamespace(returncode=1, stdout="loading\n", stderr="x" * 5000 + "CUDA error")
+    assert gpu_engine.record_child(entry, crashed, 12.5, "wall_s") is False
+    assert entry["failed"].startswith("exit 1: ") and entry["failed"].endswith("CUDA error")
+    assert len(entry["failed"]) < 3100 and entry["wall_s"] == 12.5 and "results" not in entry
+    silent = SimpleNamespace(returncode=0, stdout="no figures\n", stderr="")  # exited 0 without its CHILD line
+    assert gpu_engine.record_child(dict(entry), silent, 1.0, "wall_s") is False
+    first_failure = entry["failed"]
+    ran = SimpleNamespace(returncode=0, stdout='CHILD {"x": 1}\nCHILD {"results": {"rollout": {}}, "start_s": 30}\n',
+                          stderr="")
+    assert gpu_engine.record_child(entry, ran, 101.0, "wall_s") is True
+    assert entry["results"] == {"rollout": {}} and entry["start_s"] == 30 and entry["wall_s"] == 101.0
+    assert "failed" not in entry and entry["failed_before"] == first_failure
+
+
 def child(round_, config, tok_s, scheduler_us=10.0):
     metrics = dict(tok_s=tok_s, req_min=tok_s / 10, worker_us_per_step=5.0, scheduler_us_per_step=scheduler_us,
                    bytes_per_step=100.0)
