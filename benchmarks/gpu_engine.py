@@ -575,19 +575,19 @@ def report(summary: dict, header: str) -> str:
                 f"{m['req_min']['median']:.1f} | {m['worker_us_per_step']['median']:.1f} | "
                 f"{m['scheduler_us_per_step']['median']:.1f} | {m['bytes_per_step']['median']:.0f} |"
             )
-    if any("step_period_us" in m for by_config in summary["configs"].values() for m in by_config.values()):
+    timed = [(workload, config, m) for workload, by_config in summary["configs"].items()
+             for config, m in by_config.items() if all(k in m for k in TIMELINE)]
+    if timed:
         lines += ["", "| workload | config | step period us, median (min-max) | turn starts ms "
                   "| last steps' update_from_output ms | turn ends ms | outside generate ms |",
                   "|---|---|---|---|---|---|---|"]
-        for workload, by_config in summary["configs"].items():
-            for config, m in by_config.items():
-                if all(k in m for k in TIMELINE):
-                    p = m["step_period_us"]
-                    lines.append(
-                        f"| {workload} | {config} | {p['median']:.0f} ({p['min']:.0f}-{p['max']:.0f}) | "
-                        + " | ".join(f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})"
-                                     for k in TIMELINE[1:]) + " |"
-                    )
+        for workload, config, m in timed:
+            p = m["step_period_us"]
+            lines.append(
+                f"| {workload} | {config} | {p['median']:.0f} ({p['min']:.0f}-{p['max']:.0f}) | "
+                + " | ".join(f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})" for k in TIMELINE[1:])
+                + " |"
+            )
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
 
