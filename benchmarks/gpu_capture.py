@@ -10,6 +10,9 @@ For each step size n it measures, as medians of CUDA-event-timed runs:
   stream (staged on the device: ``host_writes=False``, and the torch fallback);
 - baselines: D2H of the int32 rows (what vLLM ships), ``.to(uint8)`` + D2H (the cast
   without the check), and a D2H of the narrow bytes alone (the memcpy floor);
+- the clear: at the GPU engine benchmark's shape (48 layers, top-8, 8192 tokens), the
+  device time of ``snapshot_leading`` as the V2 runner calls it, its clear refilling the
+  rows written since the last clear, the whole buffer, or nothing;
 - host side: the ``snapshot()`` call itself (and ``snapshot_leading(defer_copy=True)``,
   as the V2 runner calls it), of both the default and the staged capturer, the kernel's
   launch alone (arguments made beforehand: through Triton's JIT launch, the compiled
@@ -37,6 +40,7 @@ import torch
 from slotroute import capture
 from slotroute.capture import RoutedExpertsCapturer
 from slotroute.spec import RoutingSpec
+from slotroute.tools import cuda_graph
 
 SPEC = RoutingSpec(num_layers=61, top_k=8, num_experts=256)
 SIZES = (64, 256, 2048, 8192)
@@ -87,14 +91,7 @@ def capture_costs(cap: RoutedExpertsCapturer, topk: list[torch.Tensor], repeat: 
         for layer, ids in enumerate(topk):
             cap.capture(layer, ids)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = cuda_graph.record(step)
     replay = event_median_us(graph.replay, repeat)
     eager = host_median_us(lambda: (step(), torch.cuda.synchronize()), max(repeat // 4, 10))
     return {"graph_all_layers_us": replay, "graph_per_layer_us": replay / SPEC.num_layers, "eager_all_layers_wall_us": eager}
@@ -138,6 +135,51 @@ def snapshot_costs(cap: RoutedExpertsCapturer, n: int, slots: torch.Tensor, ids:
     cap._lend = True
     costs["host_call_deferred_us"] = host_median_us(snap_deferred, repeat, after=copy_and_resolve, before=refill)
     refill()
+    return costs
+
+
+# The GPU engine benchmark's model and step (benchmarks/gpu_engine.py): Qwen3-30B-A3B's
+# routing, 8192 tokens a step at most.
+ENGINE_SPEC, ENGINE_TOKENS = RoutingSpec(num_layers=48, top_k=8, num_experts=128), 8192
+
+
+def clear_costs(n: int, repeat: int) -> dict:
+    """Device time of one step's snapshot as the V2 runner takes it (``snapshot_leading``,
+    the copy deferred), at the GPU engine benchmark's shape, after every layer captured
+    ``n`` rows: its clear refilling the rows written since the last clear (NOTE 4 of
+    ``RoutedExpertsCapturer.__init__``), the whole buffer (a capturer whose buffer was
+    handed out), and the same snapshot with no clear."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    ids = torch.randint(0, ENGINE_SPEC.num_experts, (n, *ENGINE_SPEC.token_shape), generator=gen, device="cuda",
+                        dtype=torch.int32)
+    topk = [ids[:, layer].contiguous() for layer in range(ENGINE_SPEC.num_layers)]
+    row = torch.randperm(4 * n, device="cuda")
+    costs = {}
+    for name, expose in (("bounded", False), ("whole", True)):
+        cap = RoutedExpertsCapturer(ENGINE_SPEC, max_num_tokens=ENGINE_TOKENS, device="cuda")
+        if expose:
+            cap.get_device_buffer()
+
+        def captured(pending=None, cap=cap):  # untimed: the result read, the next step's rows captured
+            if pending is not None:
+                pending.enqueue_copy()
+                torch.cuda.current_stream().synchronize()
+                pending.result()
+            for layer, layer_ids in enumerate(topk):
+                cap.capture(layer, layer_ids)
+
+        captured()
+        costs[f"snapshot_clear_{name}_device_us"] = event_median_us(
+            lambda cap=cap: cap.snapshot_leading(n, row, defer_copy=True), repeat, after=captured)
+        if not expose:
+            costs["snapshot_no_clear_device_us"] = event_median_us(
+                lambda cap=cap: cap.snapshot(n, row[:n], defer_copy=True), repeat, after=captured)
+            result = cap.snapshot_leading(n, row, defer_copy=True)
+            result.enqueue_copy()
+            torch.cuda.current_stream().synchronize()
+            assert np.array_equal(result.result().routing_data, ids.cpu().numpy().astype(np.uint8))
+            fill = torch.full(ENGINE_SPEC.token_shape, capture.NOT_CAPTURED, dtype=torch.int32, device="cuda")
+            assert bool((cap._buffer == fill).all()), "a bounded clear left a written row"
     return costs
 
 
@@ -286,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         row.update({f"snapshot_staged_{k}": v for k, v in snapshot_costs(staged, n, slots, ids, args.repeat).items()})
         row["snapshot_direct_vs_staged_device"] = row["snapshot_device_us"] / row["snapshot_staged_device_us"]
         row.update(kernel_launch_host_us(cap, n, args.repeat))
+        row.update(clear_costs(n, args.repeat))
         fused_kernel, launch = capture._fused_kernel, cap._launch
         capture._fused_kernel, cap._launch = (lambda: None), None
         try:
@@ -329,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['snapshot_host_call_own_buffer_us']:>8.1f} {r['snapshot_staged_device_us']:>8.1f} "
             f"{r['snapshot_staged_host_call_us']:>8.1f} {r['kernel_launch_compiled_getitem_host_us']:>8.1f}"
         )
+    print(f"\nsnapshot_leading at the GPU engine's shape (48 layers, top-8, 8192 tokens), device us: clear of the "
+          "rows written since the last clear | of the whole buffer | no clear")
+    for r in rows:
+        print(f"{r['n']:>5} {r['snapshot_clear_bounded_device_us']:>9.1f} {r['snapshot_clear_whole_device_us']:>9.1f} "
+              f"{r['snapshot_no_clear_device_us']:>9.1f}")
     big = rows[-1]
     print(
         f"targets at n={big['n']}: snapshot/int32 D2H = {big['snapshot_vs_int32_d2h']:.2f} (<= 0.40), "

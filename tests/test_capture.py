@@ -493,6 +493,50 @@ def test_snapshot_refuses_a_bool_num_tokens(cap):
         cap.snapshot(True, np.zeros(1, dtype=np.int64))
 
 
+# --- the clears: the rows written since the last one (NOTE 4 of __init__) -----------
+
+
+def cleared_rows(cap):
+    """The rows of the capture buffer equal to a cleared row (read in place: handing the
+    buffer out would make every later clear a whole one)."""
+    fill = np.full(SPEC.token_shape, NOT_CAPTURED, dtype=np.int32)
+    return int(np.all(cap._buffer.numpy() == fill, axis=(1, 2)).sum())
+
+
+def test_a_clear_after_a_graph_replay_refills_the_rows_its_recording_captured(rng):
+    cap = RoutedExpertsCapturer(SPEC, max_num_tokens=MAX_TOKENS, device="cpu")
+    cap._capturing = lambda: True  # a CUDA graph being recorded: 8 rows, padded
+    capture_all(cap, rng.integers(0, 16, (8, 3, 2)))
+    cap._capturing = lambda: False
+    cap.snapshot(8, np.arange(8), clear=True)
+    assert cleared_rows(cap) == MAX_TOKENS
+    # an eager step of 20 tokens, then a replay of the 8-row graph for 3 tokens, which
+    # runs no Python: it writes its 8 rows unseen (here in place, as a replay does)
+    capture_all(cap, rng.integers(0, 16, (20, 3, 2)))
+    cap.snapshot(20, np.arange(20), clear=True)
+    assert cleared_rows(cap) == MAX_TOKENS
+    cap._buffer[:8] = torch.from_numpy(rng.integers(0, 16, (8, 3, 2)).astype(np.int32))
+    result = cap.snapshot(3, np.arange(3), clear=True).result()
+    assert result.routing_data.shape == (3, 3, 2)
+    assert cleared_rows(cap) == MAX_TOKENS  # rows 3-7, past the step's tokens, too
+    # the next step's missed capture is found in every row the replay wrote
+    cap._buffer[:8, 0] = 5  # a replay whose layers 1 and 2 captured nothing
+    with pytest.raises(ValueError, match="outside"):
+        cap.snapshot(8, np.arange(8), clear=True).result()
+
+
+def test_a_clear_refills_the_largest_eager_step_since_the_last_one_and_all_once_the_buffer_is_handed_out(rng):
+    cap = RoutedExpertsCapturer(SPEC, max_num_tokens=MAX_TOKENS, device="cpu")
+    capture_all(cap, rng.integers(0, 16, (12, 3, 2)))
+    capture_all(cap, rng.integers(0, 16, (5, 3, 2)))  # a second forward before the snapshot
+    cap.snapshot(5, np.arange(5), clear=True)
+    assert cleared_rows(cap) == MAX_TOKENS  # the first forward's rows 5-11 too
+    cap.get_device_buffer()[30] = 7  # written by its holder, past every capture
+    capture_all(cap, rng.integers(0, 16, (2, 3, 2)))
+    cap.snapshot(2, np.arange(2), clear=True)
+    assert cleared_rows(cap) == MAX_TOKENS
+
+
 # --- the fused kernel ---------------------------------------------------------------
 
 
@@ -537,7 +581,7 @@ def test_a_cpu_capture_and_snapshot_never_import_triton():
 FUSED_KERNEL_CHECK = """
 import numpy as np, torch
 from slotroute import _capture_kernel
-from slotroute.capture import NOT_CAPTURED, PACK_BLOCK, _packed_layout, pack_snapshot
+from slotroute.capture import NOT_CAPTURED, PACK_BLOCK, _fill_run, _packed_layout, pack_snapshot
 rng = np.random.default_rng(7)
 for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.int16, 3, 2)):
     n, rows_in_buffer = 700, 900
@@ -580,8 +624,8 @@ for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.
         # the capturer's launch: each part at its own address, stores padded (PAD): the
         # same bytes, zeros in the padding, nothing written past it
         span, ids4 = torch.full((-(-total // 64) * 64 + 64,), 0x5A, dtype=torch.uint8), before.clone()
-        parts = lambda: (ids4, fill, span.view(dtype), span[counts_at:].view(torch.int32), longer,
-                         span[slots_at:].view(torch.int64))
+        parts = lambda: (ids4, _fill_run(fill, PACK_BLOCK), span.view(dtype), span[counts_at:].view(torch.int32),
+                         longer, span[slots_at:].view(torch.int64))
         numel = n * layers * top_k
         _capture_kernel.PackLauncher(0).launch(
             ("interpreter",), (0,) * 6, (numel, ids4.numel() if clear else 0, layers * top_k, n, num_experts, 0, 0),
@@ -593,6 +637,21 @@ for num_experts, dtype, layers, top_k in ((256, torch.uint8, 5, 4), (300, torch.
         assert not span[rows_end:padded_end].any() and (span[padded_end:slots_at] == 0x5A).all()
         assert torch.equal(span[slots_at:slots_at + 8 * n].view(torch.int64), slots_out)
         assert torch.equal(span[counts_at:total].view(torch.int32), counts) and (span[total:] == 0x5A).all()
+        # a clear of the first ids only (the rows written since the last clear), ending
+        # inside a token and past a program's span: those ids refilled, in phase with
+        # the tokens, the rest as they were
+        for cleared_ids in (5 * layers * top_k + 3, PACK_BLOCK + 7):
+            ids5 = before.clone()
+            _capture_kernel.PackLauncher(0).launch(
+                ("interpreter",), (0,) * 6, (numel, cleared_ids if clear else 0, layers * top_k, n, num_experts, 0, 0),
+                (True, clear, True, PACK_BLOCK),
+                lambda: (ids5, _fill_run(fill, PACK_BLOCK), span.view(dtype), span[counts_at:].view(torch.int32),
+                         longer, span[slots_at:].view(torch.int64)),
+            )
+            expected = before.clone()
+            if clear:
+                expected[:cleared_ids] = fill.repeat(rows_in_buffer)[:cleared_ids]
+            assert torch.equal(ids5, expected)
 print("fused kernel ok")
 """
 

@@ -11,6 +11,7 @@ import torch
 from slotroute import capture
 from slotroute.capture import NOT_CAPTURED, RoutedExpertsCapturer
 from slotroute.spec import RoutingSpec
+from slotroute.tools import cuda_graph
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,14 +73,7 @@ def test_capture_recorded_in_a_cuda_graph_writes_each_replays_routing():
             ids = torch.topk(logits + bias[layer], spec.top_k, dim=-1).indices  # int64
             cap.capture(layer, ids if layer % 2 else ids.int())
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()  # warm-up outside the graph, as torch.cuda.graph requires
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = cuda_graph.record(forward)
 
     for step, poison in enumerate([NOT_CAPTURED, 7, spec.num_experts - 1, 123456]):
         logits.copy_(torch.randn(n, spec.num_experts, device="cuda"))
@@ -91,6 +85,43 @@ def test_capture_recorded_in_a_cuda_graph_writes_each_replays_routing():
         buffer = cap.get_device_buffer().cpu()
         assert torch.equal(buffer[:n], expected.int().cpu()), f"replay {step}"
         assert (buffer[n:] == poison).all(), f"replay {step} wrote past its {n} tokens"
+
+
+def test_a_snapshots_clear_refills_every_row_a_graph_replay_wrote_past_the_steps_tokens(narrowing):
+    """NOTE 4 of ``RoutedExpertsCapturer.__init__``: a clear refills the rows written
+    since the last one, a recorded graph's rows among them though its replays run no
+    Python; a replay padded past the step's tokens, then a replay of a forward whose
+    later layers captured nothing, is found by the next snapshot."""
+    spec, graph_rows = RoutingSpec(num_layers=6, top_k=4, num_experts=64), 256
+    cap = RoutedExpertsCapturer(spec, max_num_tokens=2048, device="cuda")
+    fill = torch.full(spec.token_shape, NOT_CAPTURED, dtype=torch.int32, device="cuda")
+    logits = torch.randn(graph_rows, spec.num_experts, device="cuda")
+    layers = torch.ones(spec.num_layers, dtype=torch.bool, device="cuda")  # which layers route in a replay
+
+    def forward():
+        for layer in range(spec.num_layers):
+            ids = torch.topk(logits + layer, spec.top_k, dim=-1).indices.int()
+            # a layer switched off writes its rows unchanged: as if it captured nothing
+            kept = torch.where(layers[layer], ids, cap._buffer[:graph_rows, layer])
+            cap.capture(layer, kept)
+
+    graph = cuda_graph.record(forward)
+    slots = torch.arange(4 * graph_rows, device="cuda")
+    cap.snapshot_leading(graph_rows, slots).result()  # the warm-up's rows
+    # an eager step of 1500 tokens: its clear covers them
+    capture_step(cap, random_routing(spec, 1500, seed=5))
+    cap.snapshot_leading(1500, slots.repeat(2)).result()
+    assert bool((cap._buffer == fill).all())
+    # a replay for 10 tokens, padded to the graph's 256: every row it wrote refilled
+    graph.replay()
+    lists = cap.snapshot_leading(10, slots).result()
+    assert lists.routing_data.shape == (10, *spec.token_shape)
+    assert bool((cap._buffer == fill).all()), "a row the replay wrote past the step's tokens was left"
+    # a replay whose layers 3-5 captured nothing: the next snapshot finds them
+    layers[3:] = False
+    graph.replay()
+    with pytest.raises(ValueError, match="outside"):
+        cap.snapshot_leading(200, slots).result()
 
 
 def test_snapshot_is_not_torn_when_the_next_step_overwrites_the_buffer_at_once(narrowing):

@@ -7,6 +7,8 @@ CUDA tensor, so that CPU runs (the demo, the tests, the CPU server) never import
 import triton
 import triton.language as tl
 
+from slotroute.capture import _fill_run
+
 @triton.jit(do_not_specialize=["numel", "clear_numel", "num_slots", "counts_at", "slots_at"])
 def _pack_kernel(
     ids, fill, rows, counts, slots_in, slots_out, numel, clear_numel, row_elems, num_slots, num_experts,
@@ -14,8 +16,8 @@ def _pack_kernel(
 ):
     # Program p: ids [p * BLOCK, (p + 1) * BLOCK) narrowed into `rows`, its count of ids
     # outside [0, num_experts) into counts[counts_at + p] (every counting program writes
-    # its own entry: nothing to zero first); the same span of the capture buffer
-    # refilled from `fill` (one token's pattern); the same span of the slot mapping
+    # its own entry: nothing to zero first); the same span of the capture buffer, below
+    # clear_numel, refilled from `fill` (NOTE 2); the same span of the slot mapping
     # copied as int64 from slots_out[slots_at]. Bounded by memory bandwidth, or by the
     # host link where `rows` and `slots_out` are mapped host memory.
     #
@@ -25,6 +27,12 @@ def _pack_kernel(
     # vectors. Masked at numel itself (an integer it does not specialise), every
     # element is stored alone: to mapped host memory, one transfer per byte over the
     # host link, 60-80 times slower (docs/capture.md).
+    #
+    # NOTE 2: `fill` is one token's pattern (row_elems ids) repeated over at least
+    # BLOCK + row_elems ids (capture._fill_run), so that a program reads its span's refill at the
+    # one offset where its first id falls in a token: one 64-bit remainder per program.
+    # An element's own `offset % row_elems` is a 64-bit division by a value Triton does
+    # not specialise, which the GPU runs as a software routine, for every id cleared.
     pid = tl.program_id(0)
     offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     if pid.to(tl.int64) * BLOCK < numel:
@@ -36,7 +44,8 @@ def _pack_kernel(
     if CLEAR:
         # After the load above, in program order on the same addresses: it read the ids first.
         cleared = offsets < clear_numel
-        tl.store(ids + offsets, tl.load(fill + offsets % row_elems, mask=cleared, other=0), mask=cleared)
+        phase = (pid.to(tl.int64) * BLOCK) % row_elems
+        tl.store(ids + offsets, tl.load(fill + phase + tl.arange(0, BLOCK), mask=cleared, other=0), mask=cleared)
     if COPY_SLOTS:
         copied = offsets < num_slots
         stored = offsets < (num_slots + 1) // 2 * 2 if PAD else copied
@@ -80,10 +89,13 @@ class PackLauncher:
         self, ids, fill, rows, counts, slots_in, slots_out, num_experts: int, clear: bool, block: int,
         numel: int | None = None, counts_at: int = 0, slots_at: int = 0, num_slots: int | None = None,
     ) -> None:
-        """As :func:`pack_snapshot`. Bounded by the launch's Python calls (NOTE 1)."""
+        """As :func:`pack_snapshot` (``fill`` one token's pattern: it is repeated here,
+        NOTE 2 of ``_pack_kernel``). Bounded by the launch's Python calls (NOTE 1)."""
         if numel is None:
             numel = rows.numel()
         clear_numel = ids.numel() if clear else 0
+        row_elems = fill.numel()
+        fill = _fill_run(fill, block)
         if num_slots is None:
             num_slots = 0 if slots_out is None else slots_out.numel()
         copy_slots = slots_out is not None
@@ -91,13 +103,14 @@ class PackLauncher:
         slots_out = counts if slots_out is None else slots_out
         pointers = (ids, fill, rows, counts, slots_in, slots_out)
         addresses = tuple(t.data_ptr() for t in pointers)
-        sizes = (numel, clear_numel, fill.numel(), num_slots, num_experts, counts_at, slots_at)
+        sizes = (numel, clear_numel, row_elems, num_slots, num_experts, counts_at, slots_at)
         key = (tuple(t.dtype for t in pointers), tuple(a & 15 == 0 for a in addresses), sizes[2], num_experts)
         self.launch(key, addresses, sizes, (copy_slots, clear, False, block), lambda: pointers)
 
     def launch(self, key: tuple, addresses: tuple, sizes: tuple, flags: tuple, tensors) -> None:
-        """Launch with the six pointer arguments as ``addresses`` (ints), ``sizes`` (the
-        seven integer arguments, in order) and ``flags`` (``COPY_SLOTS``, ``CLEAR``,
+        """Launch with the six pointer arguments as ``addresses`` (ints; ``fill``'s that of
+        a ``_fill_run``), ``sizes`` (the seven integer arguments, in order; ids
+        ``[0, clear_numel)`` are refilled) and ``flags`` (``COPY_SLOTS``, ``CLEAR``,
         ``PAD``, ``BLOCK``; with ``PAD`` the rows and slots need room for the
         kernel's padded stores, NOTE 1 of ``_pack_kernel``). ``key`` holds what Triton
         specialises on beyond ``flags`` and the integers' widths (the pointers' dtypes

@@ -171,6 +171,12 @@ def _fused_kernel():
 
 # Ids each program of the snapshot kernel checks: one count of bad ids per PACK_BLOCK ids.
 PACK_BLOCK = 4096
+
+
+def _fill_run(fill: torch.Tensor, block: int) -> torch.Tensor:
+    """``fill`` (one token's pattern, 1-D) repeated over at least ``block + fill.numel()``
+    ids: the snapshot kernel's ``fill`` (NOTE 2 of ``_capture_kernel._pack_kernel``)."""
+    return fill.repeat(-(-(block + fill.numel()) // fill.numel()))
 # Chunk sizes of a capturer's pinned host pool (_HostPool): doubling from the first to the last.
 _POOL_MIN_CHUNK, _POOL_MAX_CHUNK = 4 << 20, 64 << 20
 
@@ -655,8 +661,21 @@ class RoutedExpertsCapturer:
         self._fill = fill.reshape(-1).to(device)
         self._row_ids = spec.num_layers * spec.top_k
         self._buffer = torch.empty((self._max_num_tokens, *spec.token_shape), dtype=torch.int32, device=device)
+        # NOTE 4: a clear refills only the rows written since the last one, which
+        # leaves the buffer as a whole refill would: every row is the fill after a
+        # clear, and only capture() writes rows, [0, count), where a capture run in
+        # Python records its count (`_written`, since the last clear). A CUDA graph's
+        # replay runs no Python: it writes the rows its captures wrote while it was
+        # recorded, so the most any capture() recorded into a graph (`_graph_rows`)
+        # bounds every replay's rows. A buffer handed out (get_device_buffer,
+        # device_buffer) may be written anywhere, by anyone: from then on every clear
+        # refills it whole (`_exposed`). The kernel's clear of an 8192-token buffer
+        # then shrinks to the largest graph's rows in a decode step.
+        self._written = self._graph_rows = 0
+        self._exposed = False
         self.clear_buffer()
         self._device = self._buffer.device  # "cuda" resolved to "cuda:<index>"
+        self._capturing = torch.cuda.is_current_stream_capturing if self._device.type == "cuda" else bool
         # One view per layer, made once: capture() then slices a single dimension.
         self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
         self._flat = self._buffer.view(-1)  # the snapshot kernel's view, made once
@@ -692,7 +711,8 @@ class RoutedExpertsCapturer:
             # (their dtypes and alignment, and the integers Triton specialises on; a ring
             # slot's address is 16-byte aligned, and offsets fit int32 where Triton
             # counts the step's ids in int32).
-            self._addresses = (self._flat.data_ptr(), self._fill.data_ptr())
+            self._fill_run = _fill_run(self._fill, PACK_BLOCK)  # the kernel's fill (NOTE 2 of _pack_kernel)
+            self._addresses = (self._flat.data_ptr(), self._fill_run.data_ptr())
             self._launch_key = (self._narrow, self._addresses[0] % 16 == 0, self._addresses[1] % 16 == 0,
                                 self._row_ids, spec.num_experts)
         self._launch = None  # the snapshot kernel's launcher, made by the first CUDA snapshot
@@ -715,6 +735,7 @@ class RoutedExpertsCapturer:
     @property
     def device_buffer(self) -> torch.Tensor:
         """The int32 capture buffer itself (not a copy); same as :meth:`get_device_buffer`."""
+        self._exposed = True  # written by anyone from now on: every clear refills it whole (NOTE 4)
         return self._buffer
 
     @property
@@ -736,7 +757,10 @@ class RoutedExpertsCapturer:
         """Return the int32 capture buffer ``(max_num_tokens, num_layers, top_k)``.
 
         A view of the capturer's own storage (not a copy): the next step overwrites it.
+        Rows written through it are cleared as those ``capture`` writes are: from then
+        on every clear refills the whole buffer.
         """
+        self._exposed = True  # NOTE 4
         return self._buffer
 
     def clear_buffer(self) -> None:
@@ -748,6 +772,19 @@ class RoutedExpertsCapturer:
         snapshot with ``clear=True`` does the same for the next step in its own kernel.
         """
         self._buffer.view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(self._max_num_tokens, -1))
+        self._written = 0
+
+    def _rows_to_clear(self) -> int:
+        """The rows a clear must refill (NOTE 4): those written since the last clear, or
+        all where the buffer was handed out. The clear, once enqueued, sets ``_written``
+        to 0."""
+        return self._max_num_tokens if self._exposed else max(self._written, self._graph_rows)
+
+    def _clear_rows(self) -> None:
+        """Refill the rows written since the last clear (NOTE 4), on the current stream."""
+        rows = self._rows_to_clear()
+        self._buffer[:rows].view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(rows, -1))
+        self._written = 0
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> int:
         """Write one MoE layer's routing of this rank's tokens into the buffer.
@@ -798,6 +835,10 @@ class RoutedExpertsCapturer:
             topk_ids = self._all_gather(topk_ids, layout.tp_size)
         if start or count != topk_ids.shape[0]:
             topk_ids = topk_ids[start : start + count]
+        if count > self._written:  # NOTE 4
+            self._written = count
+        if count > self._graph_rows and self._capturing():
+            self._graph_rows = count
         self._layer_rows[layer_id][:count].copy_(topk_ids)
         return count
 
@@ -828,8 +869,9 @@ class RoutedExpertsCapturer:
         stream (the one that ran the forward), checks every id against
         ``[0, num_experts)``, casts it to the storage dtype and writes it, the count of
         bad ids and a device ``slot_mapping`` into one packed buffer of the capturer's
-        ring; with ``clear`` the same kernel then clears the capture buffer as
-        :meth:`clear_buffer` does, so the next step's missed capture is found. One
+        ring; with ``clear`` the same kernel then refills the rows written since the
+        last clear, which leaves the buffer as :meth:`clear_buffer` does (NOTE 4 of
+        ``__init__``), so the next step's missed capture is found. One
         device-to-host copy moves the packed buffer into the ring slot's pinned host
         buffer: on the capturer's copy stream, ordered after the kernel by the slot's
         event, or, with ``defer_copy``, on the caller's stream when it calls
@@ -848,7 +890,8 @@ class RoutedExpertsCapturer:
             The KV-cache slot of every row, shape ``(num_tokens,)``, integer: a numpy
             array, a CPU tensor (both copied now) or a tensor on the buffer's device.
         clear
-            Clear the whole capture buffer once its rows are read.
+            Clear the capture buffer once its rows are read (the rows written since
+            the last clear: NOTE 4 of ``__init__``).
         defer_copy
             Leave the device-to-host copy to ``PendingSnapshot.enqueue_copy`` (CUDA).
 
@@ -888,12 +931,12 @@ class RoutedExpertsCapturer:
             raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
         if self._tp_rank != 0:
             if clear:
-                self.clear_buffer()
+                self._clear_rows()
             return PendingSnapshot(self._spec, n)
         if self._host is not None:
             pending = self._snapshot_now(n, host_slots)
             if clear:
-                self.clear_buffer()
+                self._clear_rows()
             return pending
         # astype always copies: the caller may reuse its array next step
         host_slots = None if on_device else host_slots.astype(np.int64)
@@ -973,7 +1016,8 @@ class RoutedExpertsCapturer:
         # Host cost: one kernel launch and, with the capturer's own stream, one event
         # record (two, a stream wait and a copy launch where it stages); nothing is
         # allocated. Device cost: one pass over the int32 rows (memory bandwidth; over
-        # the whole buffer with `clear`) and the narrow bytes over the host link.
+        # the rows written since the last clear with `clear`, NOTE 4) and the narrow
+        # bytes over the host link.
         # `slot_mapping` is 1-D, or 2-D with `row` the one to read, `row_offset` bytes
         # from its start; `dtype` is its dtype where the caller read it.
         #
@@ -1019,13 +1063,13 @@ class RoutedExpertsCapturer:
                     span = slot.host if host is None else host[0][host[1]:host[1] + host[2].size]
                 rows, counts, slots = span.view(self._narrow), span[counts_at:].view(torch.int32), span[slots_at:].view(torch.int64)
                 slots_in = rows if slot_mapping is None else slot_mapping if row is None else slot_mapping[row]
-                return self._flat, self._fill, rows, counts, slots_in, slots if copy_slots else counts
+                return self._flat, self._fill_run, rows, counts, slots_in, slots if copy_slots else counts
 
             launch.launch(
                 (self._launch_key, slots_dtype, slots_address % 16 == 0),
                 (*self._addresses, address, address + counts_at, slots_address,
                  address + slots_at if copy_slots else address + counts_at),
-                (n * self._row_ids, self._max_num_tokens * self._row_ids if clear else 0, self._row_ids, n if copy_slots else 0,
+                (n * self._row_ids, self._rows_to_clear() * self._row_ids if clear else 0, self._row_ids, n if copy_slots else 0,
                  self._spec.num_experts, 0, 0),
                 (copy_slots, clear, True, PACK_BLOCK), tensors,
             )
@@ -1038,8 +1082,10 @@ class RoutedExpertsCapturer:
                 self._flat, self._fill, packed[:rows_end].view(self._narrow),
                 packed[counts_at:total].view(torch.int32), slot_mapping,
                 None if slot_mapping is None else packed[slots_at:slots_at + 8 * n].view(torch.int64),
-                self._spec.num_experts, clear,
+                self._spec.num_experts, clear,  # the torch ops refill the whole buffer
             )
+        if clear:
+            self._written = 0  # NOTE 4
         pending = PendingSnapshot(
             self._spec, n, slot=slot, layout=layout, host_slots=host_slots, own_stream=not defer, host=host,
             direct=target is not None,
