@@ -20,8 +20,9 @@
 #
 # `bench` and `offload` keep their state in /tmp/gpu_engine_RUNNER.json and
 # /tmp/gpu_offload_MODE.json and start no child that would end after BUDGET_S seconds: the
-# same command continues them. Logs and JSON are copied to $OUT where it is set (the JSON
-# every 15 s too, for a call stopped at its time limit).
+# same command continues them (with a larger --rounds it adds rounds; a JSON of
+# another setup there stops the call and is kept). Logs and JSON are copied to $OUT
+# where it is set (the JSON every 15 s too, for a call stopped at its time limit).
 set -u
 cd "$(dirname "$0")/.."
 SR=/tmp/sr

@@ -19,7 +19,9 @@ the earlier turns' rows asks (routing off runs it without).
 Each configuration runs in its own process (vLLM caches its environment per
 process). A first child of each configuration, discarded, fills its compile caches
 (``--warm-up compile``: it only starts the engine and serves a few requests, sparing
-the workloads' time, with no per-call breakdown);
+the workloads' time, with no per-call breakdown; ``--warm-up profile``: the same, then
+decode steps of 64 and of 256 requests under torch.profiler, reported as each
+kernel's and copy's device time per step where the configurations differ);
 then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
 max over rounds of generated tok/s and requests/min, host time per engine step in the
@@ -34,13 +36,15 @@ step, its last step's ``update_from_output`` and the time after it (``timeline``
 Counted children wrap nothing that runs once per request, so their tok/s pays no
 timing; the warm-up children time every routing call, for a per-call breakdown. Every
 child's figures go to ``--json``; with ``--budget-s`` the run stops before a child
-that would not finish in time, and the same command line continues it from the JSON.
+that would not finish in time, and the same command line continues it from the JSON
+(with a larger ``--rounds``, it adds rounds to those found; a JSON of another setup
+stops the run and is kept).
 
 The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
 off,slotroute`` there).
 
-usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile] [--json OUT] [--budget-s S]
+usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile|profile] [--json OUT] [--budget-s S]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
 is a smoke run that fits a CPU build of vLLM.)
 """
@@ -335,6 +339,11 @@ def child(args) -> None:
         return outputs
 
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
+    profiles = {}
+    for name, count in PROFILES.items() if args.profile else ():
+        llm.reset_prefix_cache()
+        prompts = [p[:PROFILE_PROMPT_LEN] for p in rollout[: min(count, len(rollout))]]
+        profiles[name] = device_profile(lambda: run(prompts, PROFILE_GEN_LEN), step_ends)
     results = {}
     for name in () if args.compile_only else WORKLOADS:
         llm.reset_prefix_cache()
@@ -386,8 +395,57 @@ def child(args) -> None:
         runner=f"{type(runner).__module__}.{type(runner).__qualname__}", vllm=vllm.__version__,
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
-        host_reserved_bytes=pool["reserved"],
+        host_reserved_bytes=pool["reserved"], **({"profile": profiles} if args.profile else {}),
     )), flush=True)
+
+
+# ``--warm-up profile``: decode steps of as many requests as a multi-turn and a rollout
+# step carries, short prompts so that the steps are nearly all decode.
+PROFILES = {"decode-64": 64, "decode-256": 256}
+PROFILE_PROMPT_LEN, PROFILE_GEN_LEN = 128, 64
+
+
+def device_profile(generate, step_ends: list[float]) -> dict:
+    """What ``generate()`` ran on the device, per engine step (``step_ends`` grows by
+    one per step): each kernel's and copy's time and launches (torch.profiler; with no
+    CUDA device, each CPU op's, so that the path runs on CPU too), and their sum
+    (over every stream: copies overlapping kernels count in full). Kernels in CUDA
+    graphs are each their own entry. A profiler that fails is recorded, not raised (a
+    warm-up child serves on); ``generate()`` failing is raised."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    first = len(step_ends)
+    try:
+        prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+        prof.start()
+    except Exception as error:  # noqa: BLE001 - the profiler's own failure, whatever it is
+        return dict(error=f"{type(error).__name__}: {error}"[:1000])
+    failed = None
+    try:
+        generate()  # its own failure is raised: a routing check must fail the child
+    finally:
+        try:
+            prof.stop()
+            events = prof.key_averages()
+        except Exception as error:  # noqa: BLE001
+            failed = error
+    if failed is not None:
+        return dict(error=f"{type(failed).__name__}: {failed}"[:1000])
+    steps = max(len(step_ends) - first, 1)
+    kernels: dict[str, list[float]] = {}
+    for event in events:
+        us = getattr(event, "self_device_time_total", 0.0) if cuda else event.self_cpu_time_total
+        if us > 0:
+            entry = kernels.setdefault(event.key[:PROFILE_NAME_CHARS], [0.0, 0.0])
+            entry[0] += us / steps
+            entry[1] += event.count / steps
+    return dict(steps=steps, device="cuda" if cuda else "cpu", busy_us_per_step=sum(v[0] for v in kernels.values()),
+                kernels=kernels)
+
+
+PROFILE_NAME_CHARS = 160
 
 
 def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
@@ -450,6 +508,39 @@ def write_json(path: Path, state: dict) -> None:
     os.replace(part, path)
 
 
+def continued(path: str | None, setup: dict, children: list[dict]) -> dict:
+    """The run to go on with: a new one (``setup`` and its planned ``children``) where
+    ``path`` holds none; the run found there where it was started with the same setup;
+    where only ``rounds`` grew, the run found with the added rounds' children of the
+    new plan appended, so that the rounds it holds are kept and the rotation goes on.
+
+    Raises
+    ------
+    SystemExit
+        If the run found has another setup, or more rounds than ``setup`` asks for:
+        naming what differs. The file is left as found: another run never replaces it.
+    """
+    if not path or not Path(path).exists():
+        return dict(setup=setup, children=children)
+    found = json.loads(Path(path).read_text())
+    had = found.get("setup", {})
+    if had == setup:
+        print(f"continuing {path}: {sum('results' in c or 'tok_s' in c for c in found['children'])} children done",
+              flush=True)
+        return found
+    differs = sorted(k for k in set(had) | set(setup) if had.get(k) != setup.get(k))
+    if differs == ["rounds"] and had["rounds"] < setup["rounds"]:
+        found["children"] += [c for c in children if c["round"] > had["rounds"]]
+        found["setup"] = setup
+        print(f"continuing {path} with rounds {had['rounds'] + 1}-{setup['rounds']} added", flush=True)
+        return found
+    raise SystemExit(
+        f"{path} holds a run of another setup ("
+        + ", ".join(f"{k}: {had.get(k)!r} there, {setup.get(k)!r} asked" for k in differs)
+        + "); --rounds may only grow. Pass another --json, or move that file away to start a new run"
+    )
+
+
 def expected_child_s(children: list[dict], warm_up: bool, key: str = "wall_s") -> float:
     """How long the next child is expected to take: the longest child of its kind
     (warm-ups compile, counted children load cached graphs) that ran, in this call or
@@ -478,8 +569,9 @@ COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", 
 def summarize(children: list[dict]) -> dict:
     """Per workload and configuration, the median, min and max of each metric over the
     rounds (the warm-up left out); per comparison, the ratio of the medians and the
-    range of the same-round ratios, and whether that range is wider than the
-    difference between the ratio and the claim (or 1 where nothing is claimed)."""
+    range of the same-round ratios, how many of those meet the claim, and whether that
+    range is wider than the difference between the ratio and the claim (or 1 where
+    nothing is claimed)."""
     rounds = [c for c in children if c.get("round", 0) > 0 and "results" in c]
     summary: dict = {"configs": {}, "comparisons": {}}
     workloads_seen = [w for w in WORKLOADS if any(w in c["results"] for c in rounds)]
@@ -510,6 +602,7 @@ def summarize(children: list[dict]) -> dict:
             summary["comparisons"][f"{workload}: {config} / {against} ({metric})"] = dict(
                 ratio_of_medians=medians, round_ratios=ratios, claim=claim,
                 meets_claim=None if claim is None else medians >= claim,
+                rounds_meeting_claim=None if claim is None else sum(r >= claim for r in ratios),
                 spread_wider_than_difference=spread > abs(medians - target),
             )
         summary.setdefault("host", {})[workload] = _host_cost(rounds, workload)
@@ -519,7 +612,39 @@ def summarize(children: list[dict]) -> dict:
         for workload, r in c["results"].items()
     }
     summary["routing_calls"] = _routing_calls(children)
+    summary["device_profile"] = device_profiles(children)
     return summary
+
+
+def device_profiles(children: list[dict]) -> dict:
+    """Per profiled workload, from the warm-up children (the last of each
+    configuration that has a profile): each configuration's device time per step and
+    steps (or the profiler's error), and the kernels whose time per step differs
+    between configurations by at least ``PROFILE_MIN_US``, most different first, each
+    with every configuration's us and launches per step (0 where it ran none)."""
+    found: dict[str, dict] = {}
+    for c in children:
+        if c.get("round") == 0 and "results" in c and c.get("profile"):
+            found[c["config"]] = c["profile"]
+    profiles: dict[str, dict] = {}
+    for config, by_workload in found.items():
+        for workload, p in by_workload.items():
+            entry = profiles.setdefault(workload, dict(configs={}, kernels={}))
+            entry["configs"][config] = (dict(error=p["error"]) if "error" in p else
+                                        dict(busy_us_per_step=p["busy_us_per_step"], steps=p["steps"]))
+    for workload, entry in profiles.items():
+        ran = {config: found[config][workload]["kernels"] for config in entry["configs"]
+               if "kernels" in found[config][workload]}
+        names = dict.fromkeys(name for kernels in ran.values() for name in kernels)
+        rows = {name: {config: kernels.get(name, [0.0, 0.0]) for config, kernels in ran.items()} for name in names}
+        spread = {name: max(v[0] for v in row.values()) - min(v[0] for v in row.values()) for name, row in rows.items()}
+        entry["kernels"] = {name: rows[name] for name in sorted(rows, key=lambda n: -spread[n])
+                            if spread[name] >= PROFILE_MIN_US}
+    return profiles
+
+
+PROFILE_MIN_US = 0.5
+PROFILE_ROWS = 30
 
 
 def _routing_calls(children: list[dict]) -> dict:
@@ -614,15 +739,45 @@ def report(summary: dict, header: str) -> str:
             parts = ", ".join(f"{k.split(':', 1)[1]} {v:.0f}" for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
                               if k.split(":", 1)[0] in ("scheduler", "worker", "detail"))
             lines.append(f"- {name}: {parts}")
+    for workload, entry in summary.get("device_profile", {}).items():
+        configs = list(entry["configs"])
+        lines += ["", f"Device time per step, {workload} (warm-up children, torch.profiler; kernels that differ "
+                      f"by at least {PROFILE_MIN_US} us/step, us (launches) per step):", "",
+                  "| kernel | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+        lines.append("| all, summed over streams | " + " | ".join(
+            f"error: {c['error'][:80]}" if "error" in c else f"{c['busy_us_per_step']:.1f} ({c['steps']} steps)"
+            for c in entry["configs"].values()) + " |")
+        for name, by_config in list(entry["kernels"].items())[:PROFILE_ROWS]:
+            cells = [by_config.get(c) for c in configs]
+            lines.append(f"| {name[:100]} | " + " | ".join(
+                "-" if v is None else f"{v[0]:.1f} ({v[1]:.2f})" for v in cells) + " |")
     lines += ["", "| comparison | ratio of medians | same-round ratios | claim | verdict |", "|---|---|---|---|---|"]
     for name, c in summary["comparisons"].items():
         rounds = ", ".join(f"{r:.4f}" for r in c["round_ratios"])
         claim = "-" if c["claim"] is None else f">= {c['claim']}"
-        verdict = "-" if c["meets_claim"] is None else ("met" if c["meets_claim"] else "missed")
-        if c["spread_wider_than_difference"]:
-            verdict += "; the rounds' spread is wider than the difference: not resolved"
-        lines.append(f"| {name} | {c['ratio_of_medians']:.4f} | {rounds} | {claim} | {verdict} |")
+        lines.append(f"| {name} | {c['ratio_of_medians']:.4f} | {rounds} | {claim} | {verdict_of(c)} |")
     return "\n".join(lines)
+
+
+def verdict_of(comparison: dict) -> str:
+    """A comparison's verdict: resolved where every one of two or more rounds meets the
+    claim, a miss where none does (the spread, where wider than the medians' margin,
+    said beside either); where the rounds fall on both sides, which side the medians
+    took, and not resolved."""
+    c = comparison
+    wide = c["spread_wider_than_difference"]
+    if c["meets_claim"] is None:
+        return "-; the rounds' spread is wider than the difference from 1" if wide else "-"
+    n, met = len(c["round_ratios"]), c.get("rounds_meeting_claim")
+    if met is None:  # a summary written before rounds were counted
+        met = sum(r >= c["claim"] for r in c["round_ratios"])
+    if n < 2:
+        return f"{'met' if met else 'missed'} in the one round: not resolved"
+    if met in (0, n):
+        verdict = "met in every round: resolved" if met else "missed in every round"
+        return verdict + ("; the rounds' spread is wider than the medians' margin" if wide else "")
+    side = "met" if c["meets_claim"] else "missed"
+    return f"{side} by the medians, {met} of {n} rounds met: not resolved"
 
 
 def main() -> None:
@@ -640,13 +795,15 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
     parser.add_argument("--rewarm", action="store_true",
                         help="continuing on another machine: warm up each configuration still to run first")
-    parser.add_argument("--warm-up", choices=("full", "compile"), default="full",
+    parser.add_argument("--warm-up", choices=("full", "compile", "profile"), default="full",
                         help="what the discarded warm-up children run: every workload, timing every routing call "
                              "(the per-call breakdown), or only the engine start and a few requests (fills the "
-                             "compile caches, sparing the workloads' time)")
+                             "compile caches, sparing the workloads' time), and with profile then decode steps "
+                             "under torch.profiler (each kernel's device time per step)")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -656,12 +813,7 @@ def main() -> None:
     configs = args.configs.split(",")
     setup = dict(runner=args.runner, layers=args.layers, configs=configs, rounds=args.rounds, requests=args.requests,
                  prompt_len=args.prompt_len, gen_len=args.gen_len, kv_cache_gb=args.kv_cache_gb, eager=args.eager)
-    state = dict(setup=setup, children=plan(configs, args.rounds))
-    if args.json and Path(args.json).exists():
-        found = json.loads(Path(args.json).read_text())
-        if found.get("setup") == setup:
-            state = found
-            print(f"continuing {args.json}: {sum('results' in c for c in state['children'])} children done", flush=True)
+    state = continued(args.json, setup, plan(configs, args.rounds))
     model = write_config(Path(tempfile.gettempdir()) / f"qwen3-30b-a3b-shape-{args.layers}", args.layers)
     env = dict(os.environ)
     if args.runner == "v1":
@@ -689,7 +841,8 @@ def main() -> None:
         if args.eager:
             command.append("--eager")
         if entry["round"] == 0:
-            command.append("--detail" if args.warm_up == "full" else "--compile-only")
+            command += {"full": ["--detail"], "compile": ["--compile-only"],
+                        "profile": ["--compile-only", "--profile"]}[args.warm_up]
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
         if not record_child(entry, result, time.perf_counter() - child_began, "wall_s"):

@@ -217,7 +217,7 @@ def main() -> None:
         return
     began = time.perf_counter()
     sys.path.insert(0, str(HERE))
-    from gpu_engine import expected_child_s, plan as rotated, record_child, write_config, write_json
+    from gpu_engine import continued, expected_child_s, plan as rotated, record_child, write_config, write_json
 
     work = Path(tempfile.gettempdir()) / "gpu_offload"
     work.mkdir(exist_ok=True)
@@ -237,11 +237,7 @@ def main() -> None:
         model = str(write_config(work / f"qwen3-30b-a3b-shape-{args.layers}", args.layers))
         plan = [c for c in rotated(configs, args.rounds) if c["round"]]  # no warm-up child: tok/s excludes the start
         setup = dict(mode="bench", workload=BENCH, configs=configs, layers=args.layers, rounds=args.rounds)
-    state = dict(setup=setup, children=plan)
-    if args.json and Path(args.json).exists():
-        previous = json.loads(Path(args.json).read_text())
-        if previous.get("setup") == setup:
-            state = previous
+    state = continued(args.json, setup, plan)
     for entry in state["children"]:
         if "tok_s" in entry:
             continue

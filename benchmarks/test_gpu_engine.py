@@ -92,6 +92,30 @@ def test_summary_takes_medians_over_rounds_and_leaves_the_warm_up_out():
     assert comparison["meets_claim"] is True
     # same-round ratios 0.991..1.0056 around 0.995: wider than its 0.005 above the 0.99 claim
     assert comparison["spread_wider_than_difference"] is True
+    # yet every round meets the claim: resolved, the spread said beside it
+    assert comparison["rounds_meeting_claim"] == 3
+    assert gpu_engine.verdict_of(comparison) == (
+        "met in every round: resolved; the rounds' spread is wider than the medians' margin")
+
+
+@pytest.mark.parametrize(("slotroute", "verdict"), [
+    ((99.5, 108.0, 90.5), "met by the medians, 2 of 3 rounds met: not resolved"),
+    ((98.0, 110.0, 88.0), "missed by the medians, 1 of 3 rounds met: not resolved"),
+    ((98.0, 108.0, 89.0), "missed in every round"),
+])
+def test_a_comparison_whose_rounds_fall_on_both_sides_of_the_claim_is_not_resolved(slotroute, verdict):
+    offs = (100, 110, 90)
+    children = [child(r + 1, "off", v) for r, v in enumerate(offs)]
+    children += [child(r + 1, "slotroute", v) for r, v in enumerate(slotroute)]
+    summary = gpu_engine.summarize(children)
+    assert gpu_engine.verdict_of(summary["comparisons"]["rollout: slotroute / off (tok_s)"]) == verdict
+    assert f"| {verdict} |" in gpu_engine.report(summary, "h")
+
+
+def test_one_round_resolves_nothing():
+    children = [child(1, "off", 100), child(1, "slotroute", 103)]
+    comparison = gpu_engine.summarize(children)["comparisons"]["rollout: slotroute / off (tok_s)"]
+    assert gpu_engine.verdict_of(comparison) == "met in the one round: not resolved"
 
 
 def test_summary_calls_a_difference_resolved_when_every_round_agrees():
@@ -223,3 +247,89 @@ def test_gpu_device_sh_brings_the_runs_json_back_while_the_run_goes_on(tmp_path,
             leftover.unlink()
     assert "JSON IN OUT" in done.stdout, done.stdout + done.stderr
     assert (tmp_path / "out" / f"gpu_{'engine' if command == 'bench' else 'offload'}_{name}.json").exists()
+
+
+def test_a_larger_rounds_continues_the_run_found_and_another_setup_never_replaces_it(tmp_path):
+    path = tmp_path / "run.json"
+    setup = dict(runner="v2", configs=["off", "slotroute"], rounds=2)
+    state = gpu_engine.continued(str(path), setup, gpu_engine.plan(setup["configs"], 2))
+    assert state["setup"] == setup and not path.exists()  # nothing found: a new run
+    for entry in state["children"][:5]:
+        entry["results"] = {}
+    gpu_engine.write_json(path, state)
+
+    # the same setup: the run found, as it was
+    assert gpu_engine.continued(str(path), setup, gpu_engine.plan(setup["configs"], 2)) == state
+    # two more rounds: the children found kept, those of rounds 3 and 4 appended, the rotation going on
+    grown = dict(setup, rounds=4)
+    more = gpu_engine.continued(str(path), grown, gpu_engine.plan(setup["configs"], 4))
+    assert more["setup"] == grown
+    assert more["children"][:6] == state["children"]
+    assert [(c["round"], c["config"]) for c in more["children"][6:]] == [
+        (3, "off"), (3, "slotroute"), (4, "slotroute"), (4, "off")]
+    assert [(c["round"], c["config"]) for c in more["children"]] == [
+        (c["round"], c["config"]) for c in gpu_engine.plan(setup["configs"], 4)]
+
+    kept = path.read_text()
+    for other, named in ((dict(setup, rounds=1), "rounds: 2 there, 1 asked"),
+                         (dict(setup, runner="v1", rounds=3), "runner: 'v2' there, 'v1' asked")):
+        with pytest.raises(SystemExit, match=named):
+            gpu_engine.continued(str(path), other, gpu_engine.plan(other["configs"], other["rounds"]))
+    assert path.read_text() == kept
+
+
+def test_a_device_profile_gives_each_ops_time_per_engine_step_and_never_hides_a_failed_generate():
+    import torch
+
+    step_ends = [0.0]
+
+    def generate():
+        a = torch.ones(64, 64)
+        for _ in range(4):  # four engine steps, each a matmul
+            a = torch.mm(a, a) / 64
+            step_ends.append(1.0)
+
+    profile = gpu_engine.device_profile(generate, step_ends)
+    assert profile["steps"] == 4 and profile["device"] == "cpu"
+    us, launches = profile["kernels"]["aten::mm"]
+    assert us > 0 and launches == 1.0
+    assert profile["busy_us_per_step"] == pytest.approx(sum(v[0] for v in profile["kernels"].values()))
+
+    def failing():
+        raise AssertionError("routed_experts (3, 2, 2), 4 rows expected")
+
+    with pytest.raises(AssertionError, match="4 rows expected"):
+        gpu_engine.device_profile(failing, step_ends)
+
+
+def test_device_profiles_list_the_kernels_whose_time_differs_between_configurations():
+    def warm_up(config, kernels, **extra):
+        profile = {"decode-64": dict(steps=10, device="cuda", busy_us_per_step=sum(v[0] for v in kernels.values()),
+                                     kernels=kernels)}
+        return dict(round=0, config=config, results={}, profile=profile, **extra)
+
+    gemm = "sm90_xmma_gemm_bf16"
+    children = [
+        warm_up("off", {gemm: [900.0, 48.0], "fused_moe_kernel": [5000.0, 48.0]}),
+        warm_up("vllm", {gemm: [900.2, 48.0], "fused_moe_kernel": [5000.0, 48.0], "copy_kernel": [72.0, 48.0]}),
+        warm_up("slotroute", {gemm: [900.1, 48.0], "fused_moe_kernel": [5000.0, 48.0], "copy_kernel": [72.5, 48.0],
+                              "_pack_kernel": [11.0, 1.0]}),
+        child(1, "off", 100),  # a counted child: no profile, no effect
+    ]
+    profiles = gpu_engine.summarize(children)["device_profile"]
+    entry = profiles["decode-64"]
+    assert entry["configs"]["slotroute"] == dict(busy_us_per_step=pytest.approx(5983.6), steps=10)
+    # the gemm's 0.2 us/step apart is below the threshold; the copies first, absent ones as 0
+    assert list(entry["kernels"]) == ["copy_kernel", "_pack_kernel"]
+    assert entry["kernels"]["_pack_kernel"] == {"off": [0.0, 0.0], "vllm": [0.0, 0.0], "slotroute": [11.0, 1.0]}
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| kernel | off | vllm | slotroute |" in report
+    assert "| _pack_kernel | 0.0 (0.00) | 0.0 (0.00) | 11.0 (1.00) |" in report
+    assert "| all, summed over streams | 5900.0 (10 steps) | 5972.2 (10 steps) | 5983.6 (10 steps) |" in report
+
+    # a profiler that failed in one child: its error, the others' kernels still compared
+    children[2]["profile"] = {"decode-64": dict(error="RuntimeError: CUPTI_ERROR_NOT_INITIALIZED")}
+    entry = gpu_engine.summarize(children)["device_profile"]["decode-64"]
+    assert entry["configs"]["slotroute"] == dict(error="RuntimeError: CUPTI_ERROR_NOT_INITIALIZED")
+    assert list(entry["kernels"]) == ["copy_kernel"]
+    assert "error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in gpu_engine.report(gpu_engine.summarize(children), "h")
