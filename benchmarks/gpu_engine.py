@@ -620,8 +620,9 @@ def device_profiles(children: list[dict]) -> dict:
     """Per profiled workload, from the warm-up children (the last of each
     configuration that has a profile): each configuration's device time per step and
     steps (or the profiler's error), and the kernels whose time per step differs
-    between configurations by at least ``PROFILE_MIN_US``, most different first, each
-    with every configuration's us and launches per step (0 where it ran none)."""
+    between configurations by at least ``PROFILE_MIN_US``, each with every
+    configuration's us and launches per step (0 where it ran none): first those some
+    configuration never ran, then the rest, each group most different first."""
     found: dict[str, dict] = {}
     for c in children:
         if c.get("round") == 0 and "results" in c and c.get("profile"):
@@ -638,7 +639,10 @@ def device_profiles(children: list[dict]) -> dict:
         names = dict.fromkeys(name for kernels in ran.values() for name in kernels)
         rows = {name: {config: kernels.get(name, [0.0, 0.0]) for config, kernels in ran.items()} for name in names}
         spread = {name: max(v[0] for v in row.values()) - min(v[0] for v in row.values()) for name, row in rows.items()}
-        entry["kernels"] = {name: rows[name] for name in sorted(rows, key=lambda n: -spread[n])
+        everywhere = {name: all(name in kernels for kernels in ran.values()) for name in names}
+        # first the kernels some configuration never ran (what a routing path adds), then
+        # those all ran (the forward's, apart by the noise between processes)
+        entry["kernels"] = {name: rows[name] for name in sorted(rows, key=lambda n: (everywhere[n], -spread[n]))
                             if spread[name] >= PROFILE_MIN_US}
     return profiles
 
