@@ -177,6 +177,8 @@ def _fill_run(fill: torch.Tensor, block: int) -> torch.Tensor:
     """``fill`` (one token's pattern, 1-D) repeated over at least ``block + fill.numel()``
     ids: the snapshot kernel's ``fill`` (NOTE 2 of ``_capture_kernel._pack_kernel``)."""
     return fill.repeat(-(-(block + fill.numel()) // fill.numel()))
+
+
 # Chunk sizes of a capturer's pinned host pool (_HostPool): doubling from the first to the last.
 _POOL_MIN_CHUNK, _POOL_MAX_CHUNK = 4 << 20, 64 << 20
 
@@ -771,7 +773,12 @@ class RoutedExpertsCapturer:
         so calling this before a step turns a missed capture into an error; on CUDA a
         snapshot with ``clear=True`` does the same for the next step in its own kernel.
         """
-        self._buffer.view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(self._max_num_tokens, -1))
+        self._refill(self._max_num_tokens)
+
+    def _refill(self, rows: int) -> None:
+        """Refill the buffer's first ``rows`` rows on the current stream (torch ops): a
+        clear, with ``rows`` at least those written since the last one (NOTE 4)."""
+        self._buffer[:rows].view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(rows, -1))
         self._written = 0
 
     def _rows_to_clear(self) -> int:
@@ -779,12 +786,6 @@ class RoutedExpertsCapturer:
         all where the buffer was handed out. The clear, once enqueued, sets ``_written``
         to 0."""
         return self._max_num_tokens if self._exposed else max(self._written, self._graph_rows)
-
-    def _clear_rows(self) -> None:
-        """Refill the rows written since the last clear (NOTE 4), on the current stream."""
-        rows = self._rows_to_clear()
-        self._buffer[:rows].view(-1, self._row_ids).copy_(self._fill.view(1, -1).expand(rows, -1))
-        self._written = 0
 
     def capture(self, layer_id: int, topk_ids: torch.Tensor, layout: BatchLayout | None = None) -> int:
         """Write one MoE layer's routing of this rank's tokens into the buffer.
@@ -931,12 +932,12 @@ class RoutedExpertsCapturer:
             raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
         if self._tp_rank != 0:
             if clear:
-                self._clear_rows()
+                self._refill(self._rows_to_clear())
             return PendingSnapshot(self._spec, n)
         if self._host is not None:
             pending = self._snapshot_now(n, host_slots)
             if clear:
-                self._clear_rows()
+                self._refill(self._rows_to_clear())
             return pending
         # astype always copies: the caller may reuse its array next step
         host_slots = None if on_device else host_slots.astype(np.int64)
