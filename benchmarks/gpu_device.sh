@@ -4,8 +4,9 @@
 # dependencies in /tmp/site). From the checkout's root:
 #
 #   bash benchmarks/gpu_device.sh install             # slotroute next to that vLLM
-#   bash benchmarks/gpu_device.sh capture             # no vLLM needed (the image's torch): the capture GPU
-#                                                     # tests and benchmarks/gpu_capture.py (JSON to $OUT)
+#   bash benchmarks/gpu_device.sh capture             # no vLLM needed (the image's torch; slotroute's own
+#                                                     # dependencies from the kit's first part, p00): the
+#                                                     # capture GPU tests and benchmarks/gpu_capture.py (JSON to $OUT)
 #   bash benchmarks/gpu_device.sh tests               # capture tests, the engine tests on V2 (with the
 #                                                     # differential against vLLM's own path), then on V1
 #   bash benchmarks/gpu_device.sh tests v2|v1|capture # one part of that
@@ -38,8 +39,8 @@ stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
 case ${1:?install, capture, tests, bench, offload, pytest, vllm or cache} in
 capture)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  PYTHONPATH=src python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
-  PYTHONPATH=src python3 benchmarks/gpu_capture.py --out $OUT/gpu_capture.json 2>&1 | tee $OUT/gpu_capture.log | tail -16
+  PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
+  PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_capture.py --out $OUT/gpu_capture.json 2>&1 | tee $OUT/gpu_capture.log | tail -16
   ;;
 cache)
   dirs="root/.cache/vllm tmp/torchinductor_root root/.triton/cache"

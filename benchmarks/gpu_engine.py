@@ -20,8 +20,9 @@ Each configuration runs in its own process (vLLM caches its environment per
 process). A first child of each configuration, discarded, fills its compile caches
 (``--warm-up compile``: it only starts the engine and serves a few requests, sparing
 the workloads' time, with no per-call breakdown; ``--warm-up profile``: the same, then
-decode steps of 64 and of 256 requests under torch.profiler, reported as each
-kernel's and copy's device time per step where the configurations differ);
+decode steps of 64 and of 256 requests and the prefill of 64 rollout prompts under
+torch.profiler, reported as each kernel's and copy's device time per step where the
+configurations differ);
 then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
 max over rounds of generated tok/s and requests/min, host time per engine step in the
@@ -309,13 +310,16 @@ def child(args) -> None:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     step_ends: list[float] = []  # when each update_from_output returned: the engine's steps, in time
     timer.wrap(scheduler, "update_from_output", "steps", on_call=lambda args, result: step_ends.append(time.perf_counter()))
-    timer.wrap(scheduler, "schedule", "schedule")
+    scheduled: list[int] = []  # each schedule's tokens, in order (the steps that carry prefill are long)
+    timer.wrap(scheduler, "schedule", "schedule",
+               on_call=lambda args, result: scheduled.append(result.total_num_scheduled_tokens))
     config = llm.llm_engine.vllm_config
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
     routing = args.child != "off"
 
     generate_calls: list[tuple] = []  # (called, steps' ends, returned, the last step's update_from_output seconds)
+    call_schedules: list[list[int]] = []  # per generate call, its schedules' tokens (empty ones too)
 
     def run(prompts, n, starts=None):
         params = [
@@ -325,9 +329,10 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
-        called, first = time.perf_counter(), len(step_ends)
+        called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
+        call_schedules.append(scheduled[first_schedule:])
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
@@ -340,16 +345,17 @@ def child(args) -> None:
 
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
     profiles = {}
-    for name, count in PROFILES.items() if args.profile else ():
+    for name, (count, prompt_len, generated) in PROFILES.items() if args.profile else ():
         llm.reset_prefix_cache()
-        prompts = [p[:PROFILE_PROMPT_LEN] for p in rollout[: min(count, len(rollout))]]
-        profiles[name] = device_profile(lambda: run(prompts, PROFILE_GEN_LEN), step_ends)
+        prompts = [p[:prompt_len] for p in rollout[:count]]
+        profiles[name] = device_profile(lambda: run(prompts, generated), step_ends)
     results = {}
     for name in () if args.compile_only else WORKLOADS:
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
         generate_calls.clear()
+        call_schedules.clear()
         pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
@@ -386,6 +392,9 @@ def child(args) -> None:
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
             **timeline(generate_calls, wall),
+            # every step, to compare configurations step by step (their schedules are the same)
+            step_intervals_ms=[[round(1e3 * (b - a), 3) for a, b in zip(ends, ends[1:])] for _, ends, _, _ in generate_calls],
+            scheduled_tokens=[list(tokens) for tokens in call_schedules],
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -399,10 +408,12 @@ def child(args) -> None:
     )), flush=True)
 
 
-# ``--warm-up profile``: decode steps of as many requests as a multi-turn and a rollout
-# step carries, short prompts so that the steps are nearly all decode.
-PROFILES = {"decode-64": 64, "decode-256": 256}
-PROFILE_PROMPT_LEN, PROFILE_GEN_LEN = 128, 64
+# ``--warm-up profile``: name: (requests, prompt tokens, tokens generated). Decode steps
+# of as many requests as a multi-turn and a rollout step carries (short prompts, so that
+# the steps are nearly all decode), and prefill steps of the rollout's whole prompts
+# (None: the workloads' prompt length; one token generated, so every step is a chunk of
+# prompts).
+PROFILES = {"decode-64": (64, 128, 64), "decode-256": (256, 128, 64), "prefill-64": (64, None, 1)}
 PROFILE_NAME_CHARS = 160  # a kernel's name kept (templated names run to thousands)
 PROFILE_MIN_US = 0.5  # the least difference between configurations a kernel is listed for
 PROFILE_ROWS = 30  # kernels the report lists per profile
@@ -453,17 +464,22 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
     its engine steps (``update_from_output`` returning), its return and its last
     step's ``update_from_output`` seconds: the median interval between consecutive
     steps' ends within a call (the engine's step period while requests run: the
-    forward, or the host where it is not hidden behind it); summed over calls, each
+    forward, or the host where it is not hidden behind it) and the time the steps took
+    beyond it (prefill chunks, a turn's first steps); summed over calls, each
     call's time to its first step's end (adding the requests and the first step), its
     last step's ``update_from_output`` (the finished requests' outputs made: slotroute
     reads their rows there) and the time from that step's end to its return (the
     outputs handed back: vLLM's own path joins its rows there), all three with no
     forward left to overlap them at a turn's end; and the workload's time outside
-    ``generate`` (the benchmark's own checks and next prompts)."""
+    ``generate`` (the benchmark's own checks and next prompts). The intervals at the
+    period, the time beyond it, the starts, the ends and the time outside add up to the
+    workload's wall time."""
     periods = [b - a for _, ends, _, _ in generate_calls for a, b in zip(ends, ends[1:])]
     stepped = [call for call in generate_calls if call[1]]
+    period = statistics.median(periods) if periods else None
     return dict(
-        step_period_us=1e6 * statistics.median(periods) if periods else None,
+        step_period_us=None if period is None else 1e6 * period,
+        beyond_period_ms=0.0 if period is None else 1e3 * (sum(periods) - len(periods) * period),
         turn_start_ms=1e3 * sum(ends[0] - called for called, ends, _, _ in stepped),
         last_update_ms=1e3 * sum(last_update for _, _, _, last_update in stepped),
         turn_end_ms=1e3 * sum(returned - ends[-1] for _, ends, returned, _ in stepped),
@@ -557,8 +573,10 @@ def _spread(values: list[float]) -> dict:
 
 METRICS = ("tok_s", "req_min", "worker_us_per_step", "scheduler_us_per_step", "bytes_per_step")
 # Where the time went (``timeline``), in children from 2026-11-27 on: summarized where
-# every round of a configuration has them.
+# every round of a configuration has them. The steps' time beyond the period came
+# later: a child without it shows "-" there.
 TIMELINE = ("step_period_us", "turn_start_ms", "last_update_ms", "turn_end_ms", "outside_generate_ms")
+TIMELINE_LATER = ("beyond_period_ms",)
 # What a routing path adds to the host per step: its worker calls, and the scheduler's
 # time beyond routing off's in the same round.
 ADDED = ("vllm", "slotroute")
@@ -581,7 +599,7 @@ def summarize(children: list[dict]) -> dict:
             runs = [c["results"][workload] for c in rounds if c["config"] == config and workload in c["results"]]
             by_config[config] = {metric: _spread([r[metric] for r in runs]) for metric in METRICS}
             by_config[config].update({
-                metric: _spread([r[metric] for r in runs]) for metric in TIMELINE
+                metric: _spread([r[metric] for r in runs]) for metric in TIMELINE + TIMELINE_LATER
                 if all(r.get(metric) is not None for r in runs)
             })
         summary["configs"][workload] = by_config
@@ -703,14 +721,15 @@ def report(summary: dict, header: str) -> str:
     timed = [(workload, config, m) for workload, by_config in summary["configs"].items()
              for config, m in by_config.items() if all(k in m for k in TIMELINE)]
     if timed:
-        lines += ["", "| workload | config | step period us, median (min-max) | turn starts ms "
-                  "| last steps' update_from_output ms | turn ends ms | outside generate ms |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += ["", "| workload | config | step period us, median (min-max) | steps beyond the period ms "
+                  "| turn starts ms | last steps' update_from_output ms | turn ends ms | outside generate ms |",
+                  "|---|---|---|---|---|---|---|---|"]
         for workload, config, m in timed:
             p = m["step_period_us"]
             lines.append(
                 f"| {workload} | {config} | {p['median']:.0f} ({p['min']:.0f}-{p['max']:.0f}) | "
-                + " | ".join(f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})" for k in TIMELINE[1:])
+                + " | ".join("-" if k not in m else f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})"
+                             for k in TIMELINE_LATER + TIMELINE[1:])
                 + " |"
             )
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
@@ -796,8 +815,8 @@ def main() -> None:
     parser.add_argument("--warm-up", choices=("full", "compile", "profile"), default="full",
                         help="what the discarded warm-up children run: every workload, timing every routing call "
                              "(the per-call breakdown), or only the engine start and a few requests (fills the "
-                             "compile caches, sparing the workloads' time), and with profile then decode steps "
-                             "under torch.profiler (each kernel's device time per step)")
+                             "compile caches, sparing the workloads' time), and with profile then decode and "
+                             "prefill steps under torch.profiler (each kernel's device time per step)")
     parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)

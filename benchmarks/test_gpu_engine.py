@@ -136,9 +136,14 @@ def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_call
     assert t["last_update_ms"] == pytest.approx(4.0 + 6.0)
     assert t["turn_end_ms"] == pytest.approx(15.0 + 20.0)
     assert t["outside_generate_ms"] == pytest.approx(200.0 - 95.0 - 90.0)
+    assert t["beyond_period_ms"] == pytest.approx(10.0 + 10.0)  # the two 20 ms steps, 10 ms each past it
+    periods = 5 * t["step_period_us"] / 1e3  # the parts add up to the wall time
+    parts = (periods, t["beyond_period_ms"], t["turn_start_ms"], t["turn_end_ms"], t["outside_generate_ms"])
+    assert sum(parts) == pytest.approx(200.0)
     # a call that ran no step (nothing to schedule) adds no start or end, and no period
     empty = gpu_engine.timeline([(0.0, [], 0.001, 0.0)], wall_s=0.002)
     assert empty["step_period_us"] is None and empty["turn_end_ms"] == 0.0 == empty["last_update_ms"]
+    assert empty["beyond_period_ms"] == 0.0
     assert empty["outside_generate_ms"] == pytest.approx(1.0)
 
 
@@ -156,8 +161,13 @@ def test_the_timeline_is_summarized_and_printed_only_where_every_round_has_it():
     assert configs["off"]["turn_end_ms"]["max"] == pytest.approx(10.02)
     assert "step_period_us" not in configs["slotroute"]
     report = gpu_engine.report(gpu_engine.summarize(children), "h")
-    assert "| rollout | off | 1001 (1000-1002) | 5.0 (5.0-5.0) | 2.0 (2.0-2.0) | 10.0 (10.0-10.0) | 1.0 (1.0-1.0) |" in report
+    # children with the timeline but not the steps' time beyond the period: "-" there
+    assert "| rollout | off | 1001 (1000-1002) | - | 5.0 (5.0-5.0) | 2.0 (2.0-2.0) | 10.0 (10.0-10.0) | 1.0 (1.0-1.0) |" in report
     assert "| rollout | slotroute | 1010" not in report
+    for c in children[:3]:
+        c["results"]["rollout"]["beyond_period_ms"] = c["results"]["rollout"]["step_period_us"] / 10
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| rollout | off | 1001 (1000-1002) | 100.1 (100.0-100.2) | 5.0 (5.0-5.0) |" in report
 
 
 def test_host_cost_is_what_each_path_adds_to_routing_offs_scheduler_in_the_same_round():
