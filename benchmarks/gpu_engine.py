@@ -320,6 +320,7 @@ def child(args) -> None:
 
     generate_calls: list[tuple] = []  # (called, steps' ends, returned, the last step's update_from_output seconds)
     call_schedules: list[list[int]] = []  # per generate call, its schedules' tokens (empty ones too)
+    call_requests: list[int] = []  # per generate call, its requests
 
     def run(prompts, n, starts=None):
         params = [
@@ -333,6 +334,7 @@ def child(args) -> None:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
         call_schedules.append(scheduled[first_schedule:])
+        call_requests.append(len(prompts))
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
@@ -356,6 +358,7 @@ def child(args) -> None:
         shipped.clear()
         generate_calls.clear()
         call_schedules.clear()
+        call_requests.clear()
         pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
@@ -394,7 +397,7 @@ def child(args) -> None:
             **timeline(generate_calls, wall),
             # every step, to compare configurations step by step (their schedules are the same)
             step_intervals_ms=[[round(1e3 * (b - a), 3) for a, b in zip(ends, ends[1:])] for _, ends, _, _ in generate_calls],
-            scheduled_tokens=[list(tokens) for tokens in call_schedules],
+            scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -485,6 +488,31 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
         turn_end_ms=1e3 * sum(returned - ends[-1] for _, ends, returned, _ in stepped),
         outside_generate_ms=1e3 * (wall_s - sum(returned - called for called, _, returned, _ in generate_calls)),
     )
+
+
+def step_kinds(result: dict) -> dict | None:
+    """A workload's time between steps' ends (``step_intervals_ms``) split by what the
+    step that closes each interval carried: prompt tokens (more tokens than its
+    ``generate`` call has requests: a prefill chunk, alone or beside decodes) or
+    decodes only; the steps and ms of each. A call's steps are paired with its
+    schedules in order, all of them or the non-empty ones, whichever are as many as
+    its steps; None where neither is, or where the child recorded no steps."""
+    try:
+        calls = zip(result["step_intervals_ms"], result["scheduled_tokens"], result["requests_per_call"], strict=True)
+    except (KeyError, ValueError):
+        return None
+    split = dict(prompt_steps=0, prompt_ms=0.0, decode_steps=0, decode_ms=0.0)
+    for intervals, tokens, requests in calls:
+        if not intervals:
+            continue
+        paired = next((t for t in (tokens, [n for n in tokens if n > 0]) if len(t) == len(intervals) + 1), None)
+        if paired is None:
+            return None
+        for interval, step_tokens in zip(intervals, paired[1:]):
+            kind = "prompt" if step_tokens > requests else "decode"
+            split[f"{kind}_steps"] += 1
+            split[f"{kind}_ms"] += interval
+    return split
 
 
 def plan(configs: list[str], rounds: int) -> list[dict]:
@@ -602,6 +630,9 @@ def summarize(children: list[dict]) -> dict:
                 metric: _spread([r[metric] for r in runs]) for metric in TIMELINE + TIMELINE_LATER
                 if all(r.get(metric) is not None for r in runs)
             })
+            kinds = [step_kinds(r) for r in runs]
+            if runs and all(k is not None for k in kinds):
+                by_config[config]["step_kinds"] = {key: _spread([k[key] for k in kinds]) for key in kinds[0]}
         summary["configs"][workload] = by_config
         for config, against, claim in COMPARISONS:
             if config not in by_config or against not in by_config:
@@ -731,6 +762,17 @@ def report(summary: dict, header: str) -> str:
                 + " | ".join("-" if k not in m else f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})"
                              for k in TIMELINE_LATER + TIMELINE[1:])
                 + " |"
+            )
+    split = [(workload, config, m["step_kinds"]) for workload, by_config in summary["configs"].items()
+             for config, m in by_config.items() if "step_kinds" in m]
+    if split:
+        lines += ["", "| workload | config | steps with prompt tokens | their intervals ms, median (min-max) "
+                  "| decode-only steps | their intervals ms, median (min-max) |", "|---|---|---|---|---|---|"]
+        for workload, config, k in split:
+            lines.append(
+                f"| {workload} | {config} | {k['prompt_steps']['median']:.0f} | {k['prompt_ms']['median']:.1f} "
+                f"({k['prompt_ms']['min']:.1f}-{k['prompt_ms']['max']:.1f}) | {k['decode_steps']['median']:.0f} | "
+                f"{k['decode_ms']['median']:.1f} ({k['decode_ms']['min']:.1f}-{k['decode_ms']['max']:.1f}) |"
             )
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]

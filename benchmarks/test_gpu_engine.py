@@ -147,6 +147,29 @@ def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_call
     assert empty["outside_generate_ms"] == pytest.approx(1.0)
 
 
+def test_each_steps_interval_is_counted_as_a_prompt_or_a_decode_step_by_its_schedules_tokens():
+    # two calls of 4 requests: a prefill chunk of 300 tokens, then decodes of 4 tokens,
+    # with one empty schedule (async scheduling) in the second call
+    result = dict(step_intervals_ms=[[50.0, 10.0, 11.0], [40.0, 12.0]],
+                  scheduled_tokens=[[300, 300, 4, 4], [260, 0, 6, 4]], requests_per_call=[4, 4])
+    assert gpu_engine.step_kinds(result) == dict(prompt_steps=2, prompt_ms=90.0, decode_steps=3, decode_ms=33.0)
+    # schedules that pair with no call's steps, or a child without them: nothing said
+    assert gpu_engine.step_kinds({**result, "scheduled_tokens": [[300, 4], [260, 6, 4]]}) is None
+    assert gpu_engine.step_kinds({"step_intervals_ms": [[1.0]]}) is None
+    # summarized per configuration over rounds, printed beside the timeline
+    children = []
+    for round_, off_ms in ((1, 90.0), (2, 94.0)):
+        for config, extra in (("off", 0.0), ("slotroute", 8.0)):
+            c = child(round_, config, 100)
+            c["results"]["rollout"].update(step_intervals_ms=[[off_ms / 2 + extra, 10.0, 11.0], [off_ms / 2, 12.0]],
+                                           scheduled_tokens=result["scheduled_tokens"], requests_per_call=[4, 4])
+            children.append(c)
+    kinds = gpu_engine.summarize(children)["configs"]["rollout"]["slotroute"]["step_kinds"]
+    assert kinds["prompt_ms"]["median"] == pytest.approx(100.0) and kinds["decode_steps"]["median"] == 3
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| rollout | slotroute | 2 | 100.0 (98.0-102.0) | 3 | 33.0 (33.0-33.0) |" in report
+
+
 def test_the_timeline_is_summarized_and_printed_only_where_every_round_has_it():
     def timed(round_, config, tok_s, period):
         c = child(round_, config, tok_s)
