@@ -395,8 +395,6 @@ def child(args) -> None:
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
             **timeline(generate_calls, wall),
-            # every step, to compare configurations step by step (their schedules are the same)
-            step_intervals_ms=[[round(1e3 * (b - a), 3) for a, b in zip(ends, ends[1:])] for _, ends, _, _ in generate_calls],
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -476,8 +474,9 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
     forward left to overlap them at a turn's end; and the workload's time outside
     ``generate`` (the benchmark's own checks and next prompts). The intervals at the
     period, the time beyond it, the starts, the ends and the time outside add up to the
-    workload's wall time."""
-    periods = [b - a for _, ends, _, _ in generate_calls for a, b in zip(ends, ends[1:])]
+    workload's wall time. Every interval too, per call (``step_intervals_ms``)."""
+    intervals = [[b - a for a, b in zip(ends, ends[1:])] for _, ends, _, _ in generate_calls]
+    periods = [interval for call in intervals for interval in call]
     stepped = [call for call in generate_calls if call[1]]
     period = statistics.median(periods) if periods else None
     return dict(
@@ -487,6 +486,8 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
         last_update_ms=1e3 * sum(last_update for _, _, _, last_update in stepped),
         turn_end_ms=1e3 * sum(returned - ends[-1] for _, ends, returned, _ in stepped),
         outside_generate_ms=1e3 * (wall_s - sum(returned - called for called, _, returned, _ in generate_calls)),
+        # every step, to compare configurations step by step (their schedules are the same)
+        step_intervals_ms=[[round(1e3 * interval, 3) for interval in call] for call in intervals],
     )
 
 

@@ -137,6 +137,7 @@ def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_call
     assert t["turn_end_ms"] == pytest.approx(15.0 + 20.0)
     assert t["outside_generate_ms"] == pytest.approx(200.0 - 95.0 - 90.0)
     assert t["beyond_period_ms"] == pytest.approx(10.0 + 10.0)  # the two 20 ms steps, 10 ms each past it
+    assert t["step_intervals_ms"] == [[10.0, 10.0, 10.0], [20.0, 20.0]]
     periods = 5 * t["step_period_us"] / 1e3  # the parts add up to the wall time
     parts = (periods, t["beyond_period_ms"], t["turn_start_ms"], t["turn_end_ms"], t["outside_generate_ms"])
     assert sum(parts) == pytest.approx(200.0)
