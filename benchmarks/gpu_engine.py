@@ -321,6 +321,11 @@ def child(args) -> None:
     generate_calls: list[tuple] = []  # (called, steps' ends, returned, the last step's update_from_output seconds)
     call_schedules: list[list[int]] = []  # per generate call, its schedules' tokens (empty ones too)
     call_requests: list[int] = []  # per generate call, its requests
+    # per generate call, each step's host us in vLLM's update_from_output and schedule, and in the
+    # front end's process_outputs (LLMEngine.step's), in order: what each kind of step costs the host
+    timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
+    host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule", "output": "output:process_outputs"}
+    call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
 
     def run(prompts, n, starts=None):
         params = [
@@ -331,10 +336,13 @@ def child(args) -> None:
             for start in (starts or [0] * len(prompts))
         ]
         called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
+        first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
         call_schedules.append(scheduled[first_schedule:])
         call_requests.append(len(prompts))
+        for name, key in host_series.items():
+            call_host_us[name].append([round(1e6 * t) for t in timer.samples.get(key, [])[first_host[name]:]])
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
@@ -359,6 +367,8 @@ def child(args) -> None:
         generate_calls.clear()
         call_schedules.clear()
         call_requests.clear()
+        for calls in call_host_us.values():
+            calls.clear()
         pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
@@ -396,6 +406,7 @@ def child(args) -> None:
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
             **timeline(generate_calls, wall),
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
+            step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -497,22 +508,43 @@ def step_kinds(result: dict) -> dict | None:
     ``generate`` call has requests: a prefill chunk, alone or beside decodes) or
     decodes only; the steps and ms of each. A call's steps are paired with its
     schedules in order, all of them or the non-empty ones, whichever are as many as
-    its steps; None where neither is, or where the child recorded no steps."""
+    its steps; None where neither is, or where the child recorded no steps.
+
+    Where the child recorded each step's host time (``step_host_us``), the same split
+    of the host ms in ``update_from_output`` (``*_update_ms``, one per step's end),
+    ``schedule`` (``*_schedule_ms``, paired as the tokens are) and the front end's
+    ``process_outputs`` (``*_output_ms``, where a call has one per step): what the
+    host spends on each kind of step, which a step whose forward does not hide the
+    host adds to its interval."""
     try:
-        calls = zip(result["step_intervals_ms"], result["scheduled_tokens"], result["requests_per_call"], strict=True)
+        calls = list(zip(result["step_intervals_ms"], result["scheduled_tokens"], result["requests_per_call"],
+                         strict=True))
     except (KeyError, ValueError):
         return None
+    host = result.get("step_host_us") or {}
+    series = [name for name in ("update", "schedule", "output")
+              if len(host.get(name, ())) == len(calls)
+              and all(not intervals or len(us) == len(intervals) + 1 or (name == "schedule" and len(us) == len(tokens))
+                      for us, (intervals, tokens, _) in zip(host[name], calls))]
     split = dict(prompt_steps=0, prompt_ms=0.0, decode_steps=0, decode_ms=0.0)
-    for intervals, tokens, requests in calls:
+    split.update({f"{kind}_{name}_ms": 0.0 for name in series for kind in ("prompt", "decode")})
+    for index, (intervals, tokens, requests) in enumerate(calls):
         if not intervals:
             continue
-        paired = next((t for t in (tokens, [n for n in tokens if n > 0]) if len(t) == len(intervals) + 1), None)
-        if paired is None:
+        kept = next((mask for mask in ([True] * len(tokens), [n > 0 for n in tokens])
+                     if sum(mask) == len(intervals) + 1), None)
+        if kept is None:
             return None
-        for interval, step_tokens in zip(intervals, paired[1:]):
+        paired = [n for n, keep in zip(tokens, kept) if keep]
+        per_step = {name: host[name][index] for name in series}
+        if "schedule" in per_step:  # a schedule per tokens entry: kept as the tokens are
+            per_step["schedule"] = [us for us, keep in zip(per_step["schedule"], kept) if keep]
+        for step, (interval, step_tokens) in enumerate(zip(intervals, paired[1:]), start=1):
             kind = "prompt" if step_tokens > requests else "decode"
             split[f"{kind}_steps"] += 1
             split[f"{kind}_ms"] += interval
+            for name, us in per_step.items():
+                split[f"{kind}_{name}_ms"] += us[step] / 1e3
     return split
 
 
@@ -775,6 +807,17 @@ def report(summary: dict, header: str) -> str:
                 f"({k['prompt_ms']['min']:.1f}-{k['prompt_ms']['max']:.1f}) | {k['decode_steps']['median']:.0f} | "
                 f"{k['decode_ms']['median']:.1f} ({k['decode_ms']['min']:.1f}-{k['decode_ms']['max']:.1f}) |"
             )
+        hosted = [(workload, config, k) for workload, config, k in split if any(key.endswith("_update_ms") for key in k)]
+        if hosted:
+            lines += ["", "Host ms in those steps, median over rounds (min-max): vLLM's update_from_output, its schedule, "
+                      "the front end's process_outputs (\"-\" where a call's were not one per step):",
+                      "", "| workload | config | prompt steps: update | schedule | process_outputs "
+                      "| decode-only steps: update | schedule | process_outputs |", "|---|---|---|---|---|---|---|---|"]
+            for workload, config, k in hosted:
+                cells = ["-" if f"{kind}_{name}_ms" not in k else
+                         "{median:.1f} ({min:.1f}-{max:.1f})".format(**k[f"{kind}_{name}_ms"])
+                         for kind in ("prompt", "decode") for name in ("update", "schedule", "output")]
+                lines.append(f"| {workload} | {config} | " + " | ".join(cells) + " |")
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
 

@@ -171,6 +171,39 @@ def test_each_steps_interval_is_counted_as_a_prompt_or_a_decode_step_by_its_sche
     assert "| rollout | slotroute | 2 | 100.0 (98.0-102.0) | 3 | 33.0 (33.0-33.0) |" in report
 
 
+def test_each_steps_host_time_is_counted_with_its_step_and_a_schedule_as_its_tokens_are():
+    # the calls of the test above, with each step's host us: update_from_output one per
+    # step's end, schedule one per schedule (the empty one too), process_outputs one per
+    # step in the first call and an extra one in the second (then left out)
+    result = dict(step_intervals_ms=[[50.0, 10.0, 11.0], [40.0, 12.0]],
+                  scheduled_tokens=[[300, 300, 4, 4], [260, 0, 6, 4]], requests_per_call=[4, 4],
+                  step_host_us=dict(update=[[9000, 3000, 100, 200], [7000, 400, 300]],
+                                    schedule=[[500, 600, 20, 30], [700, 5, 40, 50]],
+                                    output=[[1, 2000, 10, 20], [1, 2, 3, 4]]))
+    kinds = gpu_engine.step_kinds(result)
+    # the first step of each call closes no interval: its host time is in the turn's start
+    assert kinds["prompt_update_ms"] == pytest.approx(3.0 + 0.4)
+    assert kinds["decode_update_ms"] == pytest.approx(0.1 + 0.2 + 0.3)
+    # the empty schedule (5 us) is dropped with its tokens, as the intervals pair
+    assert kinds["prompt_schedule_ms"] == pytest.approx(0.6 + 0.04)
+    assert kinds["decode_schedule_ms"] == pytest.approx(0.02 + 0.03 + 0.05)
+    assert "prompt_output_ms" not in kinds and "decode_output_ms" not in kinds
+    assert kinds["prompt_steps"] == 2 and kinds["decode_ms"] == pytest.approx(33.0)
+    # one per step in every call: counted too
+    both = gpu_engine.step_kinds({**result, "step_host_us": {**result["step_host_us"],
+                                                             "output": [[1, 2000, 10, 20], [1, 4000, 3]]}})
+    assert both["prompt_output_ms"] == pytest.approx(2.0 + 4.0) and both["decode_output_ms"] == pytest.approx(0.033)
+    # printed per configuration, beside the intervals
+    children = []
+    for round_ in (1, 2):
+        for config in ("off", "slotroute"):
+            c = child(round_, config, 100)
+            c["results"]["rollout"].update(result)
+            children.append(c)
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| rollout | slotroute | 3.4 (3.4-3.4) | 0.6 (0.6-0.6) | - | 0.6 (0.6-0.6) | 0.1 (0.1-0.1) | - |" in report
+
+
 def test_the_timeline_is_summarized_and_printed_only_where_every_round_has_it():
     def timed(round_, config, tok_s, period):
         c = child(round_, config, tok_s)
