@@ -326,6 +326,17 @@ def child(args) -> None:
     timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
     host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule", "output": "output:process_outputs"}
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
+    # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
+    engine_runs: list[float] = []
+    call_added_s: list[float | None] = []  # per generate call, the seconds it took to add its requests
+    if hasattr(llm, "_run_engine"):
+        run_engine = llm._run_engine
+
+        def started_engine(*args, **kwargs):
+            engine_runs.append(time.perf_counter())
+            return run_engine(*args, **kwargs)
+
+        llm._run_engine = started_engine
 
     def run(prompts, n, starts=None):
         params = [
@@ -335,7 +346,7 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
-        called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
+        called, first, first_schedule, first_run = time.perf_counter(), len(step_ends), len(scheduled), len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
@@ -346,6 +357,7 @@ def child(args) -> None:
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
+        call_added_s.append(engine_runs[first_run] - called if len(engine_runs) > first_run else None)
         for output, start in zip(outputs, starts or [0] * len(prompts)):
             routed = output.outputs[0].routed_experts
             expected = len(output.prompt_token_ids) + n - 1 - start
@@ -369,6 +381,7 @@ def child(args) -> None:
         call_requests.clear()
         for calls in call_host_us.values():
             calls.clear()
+        call_added_s.clear()
         pool.update(added=0, added_bytes=0)
         began = time.perf_counter()
         generated = requests = 0
@@ -407,6 +420,9 @@ def child(args) -> None:
             **timeline(generate_calls, wall),
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
+            # the part of the turn starts spent adding the requests, before the engine's first step
+            turn_add_ms=None if None in call_added_s else 1e3 * sum(
+                added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
@@ -637,7 +653,7 @@ METRICS = ("tok_s", "req_min", "worker_us_per_step", "scheduler_us_per_step", "b
 # every round of a configuration has them. The steps' time beyond the period came
 # later: a child without it shows "-" there.
 TIMELINE = ("step_period_us", "turn_start_ms", "last_update_ms", "turn_end_ms", "outside_generate_ms")
-TIMELINE_LATER = ("beyond_period_ms",)
+TIMELINE_LATER = ("beyond_period_ms", "turn_add_ms")
 # What a routing path adds to the host per step: its worker calls, and the scheduler's
 # time beyond routing off's in the same round.
 ADDED = ("vllm", "slotroute")
@@ -786,8 +802,8 @@ def report(summary: dict, header: str) -> str:
              for config, m in by_config.items() if all(k in m for k in TIMELINE)]
     if timed:
         lines += ["", "| workload | config | step period us, median (min-max) | steps beyond the period ms "
-                  "| turn starts ms | last steps' update_from_output ms | turn ends ms | outside generate ms |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| of the turn starts, adding the requests ms | turn starts ms | last steps' update_from_output ms "
+                  "| turn ends ms | outside generate ms |", "|---|---|---|---|---|---|---|---|---|"]
         for workload, config, m in timed:
             p = m["step_period_us"]
             lines.append(

@@ -219,12 +219,18 @@ def test_the_timeline_is_summarized_and_printed_only_where_every_round_has_it():
     assert "step_period_us" not in configs["slotroute"]
     report = gpu_engine.report(gpu_engine.summarize(children), "h")
     # children with the timeline but not the steps' time beyond the period: "-" there
-    assert "| rollout | off | 1001 (1000-1002) | - | 5.0 (5.0-5.0) | 2.0 (2.0-2.0) | 10.0 (10.0-10.0) | 1.0 (1.0-1.0) |" in report
+    assert "| rollout | off | 1001 (1000-1002) | - | - | 5.0 (5.0-5.0) | 2.0 (2.0-2.0) | 10.0 (10.0-10.0) | 1.0 (1.0-1.0) |" \
+        in report
     assert "| rollout | slotroute | 1010" not in report
     for c in children[:3]:
         c["results"]["rollout"]["beyond_period_ms"] = c["results"]["rollout"]["step_period_us"] / 10
     report = gpu_engine.report(gpu_engine.summarize(children), "h")
-    assert "| rollout | off | 1001 (1000-1002) | 100.1 (100.0-100.2) | 5.0 (5.0-5.0) |" in report
+    assert "| rollout | off | 1001 (1000-1002) | 100.1 (100.0-100.2) | - | 5.0 (5.0-5.0) |" in report
+    # and the part of the turn starts that added the requests, in the children that recorded it
+    for c in children[:3]:
+        c["results"]["rollout"]["turn_add_ms"] = 1.5
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| rollout | off | 1001 (1000-1002) | 100.1 (100.0-100.2) | 1.5 (1.5-1.5) | 5.0 (5.0-5.0) |" in report
 
 
 def test_host_cost_is_what_each_path_adds_to_routing_offs_scheduler_in_the_same_round():
