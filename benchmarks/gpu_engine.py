@@ -323,7 +323,8 @@ def child(args) -> None:
     call_requests: list[int] = []  # per generate call, its requests
     # per generate call, each step's host us in vLLM's update_from_output and schedule, and in the
     # front end's process_outputs (LLMEngine.step's), in order: what each kind of step costs the host
-    timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
+    if hasattr(getattr(llm.llm_engine, "output_processor", None), "process_outputs"):
+        timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
     host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule", "output": "output:process_outputs"}
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
     # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
