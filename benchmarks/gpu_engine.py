@@ -325,7 +325,8 @@ def child(args) -> None:
     # front end's process_outputs (LLMEngine.step's), in order: what each kind of step costs the host
     if hasattr(getattr(llm.llm_engine, "output_processor", None), "process_outputs"):
         timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
-    host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule", "output": "output:process_outputs"}
+    host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule",
+                   "output": "output:process_outputs"}
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
     # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
     engine_runs: list[float] = []
@@ -347,7 +348,8 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
-        called, first, first_schedule, first_run = time.perf_counter(), len(step_ends), len(scheduled), len(engine_runs)
+        called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
+        first_run = len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
@@ -539,9 +541,10 @@ def step_kinds(result: dict) -> dict | None:
     except (KeyError, ValueError):
         return None
     host = result.get("step_host_us") or {}
+    # a series that pairs with the steps: one schedule per tokens entry, else one per step's end
     series = [name for name in ("update", "schedule", "output")
               if len(host.get(name, ())) == len(calls)
-              and all(not intervals or len(us) == len(intervals) + 1 or (name == "schedule" and len(us) == len(tokens))
+              and all(not intervals or len(us) == (len(tokens) if name == "schedule" else len(intervals) + 1)
                       for us, (intervals, tokens, _) in zip(host[name], calls))]
     split = dict(prompt_steps=0, prompt_ms=0.0, decode_steps=0, decode_ms=0.0)
     split.update({f"{kind}_{name}_ms": 0.0 for name in series for kind in ("prompt", "decode")})
@@ -824,7 +827,8 @@ def report(summary: dict, header: str) -> str:
                 f"({k['prompt_ms']['min']:.1f}-{k['prompt_ms']['max']:.1f}) | {k['decode_steps']['median']:.0f} | "
                 f"{k['decode_ms']['median']:.1f} ({k['decode_ms']['min']:.1f}-{k['decode_ms']['max']:.1f}) |"
             )
-        hosted = [(workload, config, k) for workload, config, k in split if any(key.endswith("_update_ms") for key in k)]
+        hosted = [(workload, config, k) for workload, config, k in split
+                  if any(key.endswith("_update_ms") for key in k)]
         if hosted:
             lines += ["", "Host ms in those steps, median over rounds (min-max): vLLM's update_from_output, its schedule, "
                       "the front end's process_outputs (\"-\" where a call's were not one per step):",
