@@ -108,7 +108,7 @@ def test_slotroute_bench_prints_a_table_per_preset_and_writes_the_plot(tmp_path,
     assert "| scheduler reads, 256 decoding requests" in out
     assert "|   memcpy + id check" in out and "|   gather of the same blocks" in out
     assert "|   store_batch 8192 tok, uint8 in, cache-hot" in out
-    assert "demand paging" in out
+    assert "demand paging" in out and "first writes (1 rounds, 8192-token steps into blocks no step wrote)" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -125,3 +125,23 @@ def test_read_ceiling_probe_builds_and_reports_each_block_size(tmp_path):
     assert [int(r[0]) for r in rows] == [2304, 6144]
     for row in rows:
         assert all(float(cell) > 0 for cell in row[1:4]) and row[4].strip().endswith("x")
+
+
+def test_first_writes_are_timed_into_a_lazy_and_a_populated_store_with_the_same_rows(monkeypatch):
+    import numpy as np
+
+    stores = []
+    real = bench.RoutedExpertsManager
+
+    def kept(*args):
+        stores.append(real(*args))
+        return stores[-1]
+
+    monkeypatch.setattr(bench, "RoutedExpertsManager", kept)
+    report = bench.first_write_report(bench.PRESETS["gpt-oss-120b"], rounds=2, num_slots=1 << 16, steps=2)
+    assert report.startswith("first writes (2 rounds, 8192-token steps into blocks no step wrote): a lazy store ")
+    assert "a populated one" in report and "populate() of 10 MiB" in report
+    # two stores a round, populated first in the first round and second in the next, each with both steps
+    assert len(stores) == 4
+    assert all(s.stats().slots_written == 2 * 8192 for s in stores)
+    np.testing.assert_array_equal(stores[0].routed_experts_by_slot[:16384], stores[3].routed_experts_by_slot[:16384])

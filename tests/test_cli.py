@@ -52,6 +52,7 @@ def test_bench_check_exits_1_only_when_a_target_is_missed(monkeypatch, met, chec
     row = bench.Row("store", 1e-6, 384, 1e-6, 2e-6, ">= 2x baseline", met)
     monkeypatch.setattr(bench, "bench_preset", lambda spec, rounds, progress: [row])
     monkeypatch.setattr(bench, "demand_paging_report", lambda spec: "")
+    monkeypatch.setattr(bench, "first_write_report", lambda spec, rounds: "")
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     args = parser.parse_args(["--preset", "qwen3-30b-a3b", "--rounds", "1"] + (["--check"] if check else []))

@@ -308,6 +308,30 @@ def test_slot_buffer_costs_resident_memory_only_for_written_slots():
     assert 64 * mib <= resident < 80 * mib
 
 
+@pytest.mark.parametrize("madvise", ["madvise", "a byte per page"])
+def test_populate_commits_the_whole_store_and_keeps_what_was_written(monkeypatch, madvise):
+    from slotroute import store
+
+    if store._resident_bytes(np.zeros(1)) is None:
+        pytest.skip("resident memory is read with mincore, which this platform lacks")
+    if madvise != "madvise":
+        monkeypatch.setattr(store, "_MADVISE", None)  # a kernel without MADV_POPULATE_WRITE
+    spec = RoutingSpec(num_layers=64, top_k=8, num_experts=128)  # 512 B per token
+    mgr = RoutedExpertsManager(spec, num_blocks=8192, block_size=16)  # 64 MiB: pages of its own
+    data = routing(spec, 40)
+    mgr.store_batch(data, np.arange(40) + 1000)
+    before = mgr.stats()
+    assert before.resident_bytes < 16 << 20  # the pages of the rows written (the kernel may fault in more)
+    assert mgr.populate() == mgr.stats().capacity_bytes + 8 * mgr.num_slots  # the rows and their stamps
+    after = mgr.stats()
+    assert after.resident_bytes >= after.capacity_bytes
+    assert after.slots_written == before.slots_written == 40
+    np.testing.assert_array_equal(mgr.get([62, 63, 64], 48, token_start=8), data)  # slots 1000-1039
+    with pytest.raises(MissingRoutingError):
+        mgr.get([0], 1)  # committed, not written
+    assert not mgr.routed_experts_by_slot[:1000].any()
+
+
 def test_resident_bytes_fall_back_to_written_slots_without_mincore(monkeypatch):
     from slotroute import store
 

@@ -40,6 +40,24 @@ def pool_and_routing():
     return pool, routing
 
 
+def test_the_scheduler_store_is_committed_at_start_unless_asked_to_page_in_lazily(monkeypatch):
+    from slotroute import store
+    from slotroute.vllm import routing
+
+    if store._resident_bytes(np.zeros(1)) is None:
+        pytest.skip("resident memory is read with mincore, which this platform lacks")
+    monkeypatch.setattr(routing, "attention_gid", lambda kv_cache_config: 0)
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: 64, get_num_experts_per_tok=lambda: 8,
+                            get_num_experts=lambda: 128)  # 512 B per token
+    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
+    kv = SimpleNamespace(num_blocks=8192, kv_cache_groups=[group])
+    committed = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
+    assert committed.capacity_bytes == 64 << 20 and committed.resident_bytes >= committed.capacity_bytes
+    monkeypatch.setenv(routing.LAZY_STORE_ENV, "1")
+    lazy = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
+    assert lazy.resident_bytes < 16 << 20
+
+
 def rows(value: int, n: int = BLOCK) -> np.ndarray:
     return np.full((n, *SPEC.token_shape), value, dtype=np.uint8)
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -511,6 +512,42 @@ def demand_paging_report(spec: RoutingSpec, num_slots: int = 1 << 20) -> str:
     return "; ".join(lines)
 
 
+def first_write_report(spec: RoutingSpec, rounds: int, num_slots: int = 1 << 18, steps: int = 8) -> str:
+    """What the first writes into a store's pages cost (``store.py``, NOTE 4): per
+    round, a lazy store and a populated one, in alternating order, each taking
+    ``steps`` 8192-token steps into consecutive blocks no step wrote before, as a fresh
+    engine's prefills; the median (min-max) over rounds of each store's median step,
+    their ratio, and what ``populate`` took."""
+    data = _routing(spec, STEP_TOKENS, np.random.default_rng(2))
+    lazy_us, populated_us, populate_ms = [], [], []
+    for r in range(rounds):
+        for populated in (r % 2 == 0, r % 2 == 1):
+            mgr = RoutedExpertsManager(spec, num_slots // BLOCK_SIZE, BLOCK_SIZE)
+            if populated:
+                started = time.perf_counter()
+                mgr.populate()
+                populate_ms.append(1e3 * (time.perf_counter() - started))
+            took = []
+            for k in range(steps):
+                slots = np.arange(k * STEP_TOKENS, (k + 1) * STEP_TOKENS, dtype=np.int64)
+                started = time.perf_counter()
+                mgr.store_batch(data, slots)
+                took.append(time.perf_counter() - started)
+            (populated_us if populated else lazy_us).append(1e6 * statistics.median(took))
+            del mgr
+
+    def spread(values: list[float], unit: str) -> str:
+        return f"{statistics.median(values):.0f} {unit} ({min(values):.0f}-{max(values):.0f})"
+
+    mib = num_slots * (spec.bytes_per_token + 8) / (1 << 20)
+    return (
+        f"first writes ({rounds} rounds, {STEP_TOKENS}-token steps into blocks no step wrote): a lazy store "
+        f"{spread(lazy_us, 'us')}, a populated one {spread(populated_us, 'us')}, "
+        f"{statistics.median(lazy_us) / statistics.median(populated_us):.1f}x; populate() of "
+        f"{mib:.0f} MiB {spread(populate_ms, 'ms')}"
+    )
+
+
 def machine() -> str:
     model = "unknown CPU"
     try:
@@ -626,6 +663,7 @@ def run(args: argparse.Namespace) -> int:
             all_met &= all(r.met for r in rows if r.met is not None)
             _print(progress, "\n" + table(name, spec, rows))
         _print(progress, "\n" + demand_paging_report(PRESETS[names[0]]))
+        _print(progress, first_write_report(PRESETS[names[0]], rounds))
         if args.plot:
             plot(args.plot, PRESETS[names[0]], rounds, progress)
             _print(progress, f"\nwrote {args.plot}")

@@ -19,6 +19,10 @@ Environment:
     ``slotroute`` (default): every adapter of the installed generation.
     ``cpu-capture-only``: only the CPU kernel capture, so that vLLM's own capturer and
     manager run on the CPU backend (the baseline of the benchmarks).
+``SLOTROUTE_LAZY_STORE=1``
+    The scheduler's store is paged in as steps first write each page, instead of
+    being committed when the engine starts (its whole capacity, ``routed_experts``
+    bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
 
 Importing this package does not import vLLM; :func:`register` does.
 """

@@ -14,6 +14,8 @@ prefix-cache hits.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -24,7 +26,10 @@ from slotroute.store import RoutedExpertsManager
 from slotroute.vllm import LOGGER_NAME
 from slotroute.vllm.blocks import watch
 
-__all__ = ["SlotRouting", "attention_gid", "routing_spec"]
+__all__ = ["LAZY_STORE_ENV", "SlotRouting", "attention_gid", "routing_spec"]
+
+# Set to 1: the scheduler's store is paged in as steps first write it, instead of at start.
+LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -124,7 +129,16 @@ class SlotRouting:
         store = RoutedExpertsManager(
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
         )
-        logger.info("slotroute: scheduler keeps routing in %r", store)
+        if os.environ.get(LAZY_STORE_ENV) == "1":
+            logger.info("slotroute: scheduler keeps routing in %r, paged in as steps write it (%s=1)",
+                        store, LAZY_STORE_ENV)
+        else:
+            # The store's NOTE 4: page faults at start, not in the steps that first write each page.
+            started = time.perf_counter()
+            committed = store.populate()
+            logger.info("slotroute: scheduler keeps routing in %r, %.1f MiB committed in %.0f ms (%s=1 pages it "
+                        "in as steps write it)", store, committed / 2**20, 1e3 * (time.perf_counter() - started),
+                        LAZY_STORE_ENV)
         return cls(store, attn_gid)
 
     def connect(self, block_pool) -> None:
