@@ -100,7 +100,8 @@ class RoutedExpertsManager:
 
     Every expert id in the buffer written through this class is in
     ``[0, spec.num_experts)``. The buffer is ``np.zeros`` of the whole pool, which
-    the OS pages in lazily: it costs memory only for the pages actually written.
+    the OS pages in lazily: it costs memory only for the pages actually written, until
+    :meth:`populate` commits all of it (NOTE 4).
     Every method validates its arguments before touching any state, so a call that
     raises has changed nothing. Not thread-safe: one scheduler thread drives it.
 
