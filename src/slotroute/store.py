@@ -581,6 +581,14 @@ _MADVISE = _UNLOADED  # libc's madvise, loaded on first use (None where unavaila
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault a range in for writing, keeping its contents
 
 
+def _pages_of(array: np.ndarray) -> tuple[int, int]:
+    """The address of the first page ``array`` (non-empty) overlaps, and how many
+    pages it overlaps."""
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    return start, -(-(array.ctypes.data + array.nbytes - start) // page)
+
+
 def _populate(array: np.ndarray) -> None:
     """Fault every page of ``array`` (C-contiguous) in for writing, keeping its bytes:
     one ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it, else a read and a
@@ -591,13 +599,11 @@ def _populate(array: np.ndarray) -> None:
         return
     if _MADVISE is _UNLOADED:
         _MADVISE = _load_madvise()
-    page = mmap.PAGESIZE
-    start = array.ctypes.data // page * page
-    length = -(-(array.ctypes.data + array.nbytes - start) // page) * page
-    if _MADVISE is not None and _MADVISE(start, length, _MADV_POPULATE_WRITE) == 0:
+    start, pages = _pages_of(array)
+    if _MADVISE is not None and _MADVISE(start, pages * mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0:
         return
     flat = array.reshape(-1).view(np.uint8)
-    flat[::page] = flat[::page].copy()
+    flat[::mmap.PAGESIZE] = flat[::mmap.PAGESIZE].copy()
     flat[-1:] = flat[-1:].copy()
 
 
@@ -609,11 +615,8 @@ def _resident_bytes(array: np.ndarray) -> int | None:
         _MINCORE = _load_mincore()
     if _MINCORE is None or array.nbytes == 0:
         return None
-    page = mmap.PAGESIZE
-    start = array.ctypes.data // page * page
-    length = array.ctypes.data + array.nbytes - start
-    pages = -(-length // page)
+    start, pages = _pages_of(array)
     vec = np.zeros(pages, dtype=np.uint8)
-    if _MINCORE(start, length, vec.ctypes.data) != 0:
+    if _MINCORE(start, array.ctypes.data + array.nbytes - start, vec.ctypes.data) != 0:
         return None
-    return int(np.count_nonzero(vec & 1)) * page
+    return int(np.count_nonzero(vec & 1)) * mmap.PAGESIZE
