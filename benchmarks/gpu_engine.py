@@ -790,6 +790,11 @@ def _host_cost(rounds: list[dict], workload: str) -> dict:
     return cost
 
 
+def _spread_cell(m: dict) -> str:
+    """A figure's median (min-max) over rounds, as the report's tables print it."""
+    return f"{m['median']:.1f} ({m['min']:.1f}-{m['max']:.1f})"
+
+
 def report(summary: dict, header: str) -> str:
     lines = [header, "",
              "| workload | config | tok/s median (min-max) | req/min median | worker us/step (routing calls) "
@@ -812,8 +817,7 @@ def report(summary: dict, header: str) -> str:
             p = m["step_period_us"]
             lines.append(
                 f"| {workload} | {config} | {p['median']:.0f} ({p['min']:.0f}-{p['max']:.0f}) | "
-                + " | ".join("-" if k not in m else f"{m[k]['median']:.1f} ({m[k]['min']:.1f}-{m[k]['max']:.1f})"
-                             for k in TIMELINE_LATER + TIMELINE[1:])
+                + " | ".join("-" if k not in m else _spread_cell(m[k]) for k in TIMELINE_LATER + TIMELINE[1:])
                 + " |"
             )
     split = [(workload, config, m["step_kinds"]) for workload, by_config in summary["configs"].items()
@@ -823,9 +827,8 @@ def report(summary: dict, header: str) -> str:
                   "| decode-only steps | their intervals ms, median (min-max) |", "|---|---|---|---|---|---|"]
         for workload, config, k in split:
             lines.append(
-                f"| {workload} | {config} | {k['prompt_steps']['median']:.0f} | {k['prompt_ms']['median']:.1f} "
-                f"({k['prompt_ms']['min']:.1f}-{k['prompt_ms']['max']:.1f}) | {k['decode_steps']['median']:.0f} | "
-                f"{k['decode_ms']['median']:.1f} ({k['decode_ms']['min']:.1f}-{k['decode_ms']['max']:.1f}) |"
+                f"| {workload} | {config} | {k['prompt_steps']['median']:.0f} | {_spread_cell(k['prompt_ms'])} | "
+                f"{k['decode_steps']['median']:.0f} | {_spread_cell(k['decode_ms'])} |"
             )
         hosted = [(workload, config, k) for workload, config, k in split
                   if any(key.endswith("_update_ms") for key in k)]
@@ -835,8 +838,7 @@ def report(summary: dict, header: str) -> str:
                       "", "| workload | config | prompt steps: update | schedule | process_outputs "
                       "| decode-only steps: update | schedule | process_outputs |", "|---|---|---|---|---|---|---|---|"]
             for workload, config, k in hosted:
-                cells = ["-" if f"{kind}_{name}_ms" not in k else
-                         "{median:.1f} ({min:.1f}-{max:.1f})".format(**k[f"{kind}_{name}_ms"])
+                cells = ["-" if f"{kind}_{name}_ms" not in k else _spread_cell(k[f"{kind}_{name}_ms"])
                          for kind in ("prompt", "decode") for name in ("update", "schedule", "output")]
                 lines.append(f"| {workload} | {config} | " + " | ".join(cells) + " |")
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
