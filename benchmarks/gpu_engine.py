@@ -43,7 +43,9 @@ stops the run and is kept).
 
 The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
-off,slotroute`` there).
+off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotroute with
+its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) instead of
+committed at start, compared with slotroute in the same rounds.
 
 usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile|profile] [--json OUT] [--budget-s S]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
@@ -65,6 +67,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 CONFIGS = ("off", "vllm", "slotroute")
+# Run only when named in --configs: slotroute with its store paged in as steps write it
+# (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
+# at start.
+EXTRA_CONFIGS = ("slotroute-lazy",)
+SLOTROUTE_CONFIGS = ("slotroute", "slotroute-lazy")
+# Each configuration's environment variables; the others' are removed from its child.
+CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -255,7 +264,7 @@ def instrument(config: str, timer: Timer, shipped: list[int], detail: bool = Fal
         timer.wrap(runner_v2.StepRouting, "to_cpu_nonblocking", "worker")
         timer.wrap(runner_v2.StepRouting, "tolists", "worker")
         timer.wrap(runner_v1, "as_vllm_lists", "worker")
-    if config == "slotroute" and detail:  # where the worker's calls spend it
+    if config in SLOTROUTE_CONFIGS and detail:  # where the worker's calls spend it
         import torch
 
         from slotroute import capture
@@ -293,7 +302,7 @@ def child(args) -> None:
 
     instrument(args.child, timer, shipped, args.detail)
     pool = dict(reserved=0, added=0, added_bytes=0)
-    if args.child == "slotroute":
+    if args.child in SLOTROUTE_CONFIGS:
         count_host_pool(pool)
     started = time.perf_counter()
     llm = LLM(
@@ -568,6 +577,15 @@ def step_kinds(result: dict) -> dict | None:
     return split
 
 
+def child_environment(config: str, env: dict) -> dict:
+    """The environment of a child of ``config``: ``env`` with that configuration's
+    variables set and every other configuration's removed, so an inherited one (a
+    ``SLOTROUTE_LAZY_STORE`` exported in the shell) changes no configuration."""
+    child_env = {k: v for k, v in env.items() if not any(k in e for e in CONFIG_ENV.values())}
+    child_env.update(CONFIG_ENV.get(config, {}))
+    return child_env
+
+
 def plan(configs: list[str], rounds: int) -> list[dict]:
     """The children to run: a discarded warm-up of each configuration (each compiles a
     graph of its own: routing on or off, slotroute's hooks or vLLM's, and a cold
@@ -662,7 +680,8 @@ TIMELINE_LATER = ("beyond_period_ms", "turn_add_ms")
 # time beyond routing off's in the same round.
 ADDED = ("vllm", "slotroute")
 # (configuration, against, what is claimed of the ratio of their tok/s)
-COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None))
+COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
+               ("slotroute", "slotroute-lazy", None))
 
 
 def summarize(children: list[dict]) -> dict:
@@ -926,7 +945,7 @@ def main() -> None:
                              "(the per-call breakdown), or only the engine start and a few requests (fills the "
                              "compile caches, sparing the workloads' time), and with profile then decode and "
                              "prefill steps under torch.profiler (each kernel's device time per step)")
-    parser.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=CONFIGS + EXTRA_CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -937,6 +956,9 @@ def main() -> None:
         return
     began = time.perf_counter()
     configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
+    if unknown or len(set(configs)) != len(configs):
+        parser.error(f"--configs takes distinct names from {', '.join(CONFIGS + EXTRA_CONFIGS)}, got {args.configs!r}")
     setup = dict(runner=args.runner, layers=args.layers, configs=configs, rounds=args.rounds, requests=args.requests,
                  prompt_len=args.prompt_len, gen_len=args.gen_len, kv_cache_gb=args.kv_cache_gb, eager=args.eager)
     state = continued(args.json, setup, plan(configs, args.rounds))
@@ -957,9 +979,7 @@ def main() -> None:
         if args.budget_s is not None and time.perf_counter() - began + 1.2 * expected > args.budget_s:
             print("budget: stopping before the next child; run the same command again to continue", flush=True)
             break
-        child_env = dict(env)
-        if entry["config"] == "vllm":
-            child_env["SLOTROUTE_DISABLE"] = "1"
+        child_env = child_environment(entry["config"], env)
         command = [sys.executable, __file__, "--child", entry["config"], "--model", str(model), "--requests",
                    str(args.requests), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
         if args.kv_cache_gb is not None:
@@ -976,7 +996,7 @@ def main() -> None:
                   flush=True)
         else:
             results = entry["results"].values()
-            pool = "" if entry["config"] != "slotroute" else (
+            pool = "" if entry["config"] not in SLOTROUTE_CONFIGS else (
                 f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
                 + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)" for r in results))
             print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
