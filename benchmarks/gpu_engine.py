@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -959,6 +960,10 @@ def main() -> None:
     unknown = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
     if unknown or len(set(configs)) != len(configs):
         parser.error(f"--configs takes distinct names from {', '.join(CONFIGS + EXTRA_CONFIGS)}, got {args.configs!r}")
+    missing = [name for name in ("vllm", "slotroute") if importlib.util.find_spec(name) is None]
+    if missing:  # every child would fail alike, and the run's JSON would hold only failures
+        sys.exit(f"gpu_engine: {' and '.join(missing)} cannot be imported here (on the device machine: "
+                 "the kit's parts, then `gpu_device.sh install`); no child started, no JSON written")
     setup = dict(runner=args.runner, layers=args.layers, configs=configs, rounds=args.rounds, requests=args.requests,
                  prompt_len=args.prompt_len, gen_len=args.gen_len, kv_cache_gb=args.kv_cache_gb, eager=args.eager)
     state = continued(args.json, setup, plan(configs, args.rounds))

@@ -158,6 +158,18 @@ def test_configs_other_than_the_known_ones_each_named_once_are_refused(configs, 
     assert not (tmp_path / "run.json").exists()
 
 
+def test_a_run_where_vllm_cannot_be_imported_starts_no_child_and_writes_no_json(tmp_path):
+    # a machine without vLLM (a fresh device machine before the kit), whatever this one has
+    code = ("import importlib.util, sys, runpy; real = importlib.util.find_spec; "
+            "importlib.util.find_spec = lambda n, *a: None if n == 'vllm' else real(n, *a); "
+            f"sys.argv = ['gpu_engine.py', '--json', {str(tmp_path / 'run.json')!r}]; "
+            f"runpy.run_path({gpu_engine.__file__!r}, run_name='__main__')")
+    result = subprocess.run([os.sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert "vllm cannot be imported here" in result.stderr and "no JSON written" in result.stderr
+    assert not (tmp_path / "run.json").exists()
+
+
 def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_calls_ends():
     # two generate calls (turns): steps end 10 ms apart in the first, 20 ms in the second
     calls = [(0.0, [0.050, 0.060, 0.070, 0.080], 0.095, 0.004), (0.100, [0.130, 0.150, 0.170], 0.190, 0.006)]
