@@ -909,9 +909,11 @@ def report(summary: dict, header: str) -> str:
 
 def verdict_of(comparison: dict) -> str:
     """A comparison's verdict: resolved where every one of two or more rounds meets the
-    claim, a miss where none does (the spread, where wider than the medians' margin,
-    said beside either); where the rounds fall on both sides, which side the medians
-    took, and not resolved."""
+    claim and the rounds' spread is narrower than the medians' margin over it (a claim
+    counts when its spread is smaller than its margin); met in every round with a wider
+    spread is said so and not resolved; a miss where no round meets it (a wider spread
+    said beside it); where the rounds fall on both sides, which side the medians took,
+    and not resolved."""
     c = comparison
     wide = c["spread_wider_than_difference"]
     if c["meets_claim"] is None:
@@ -919,9 +921,12 @@ def verdict_of(comparison: dict) -> str:
     n, met = len(c["round_ratios"]), c["rounds_meeting_claim"]
     if n < 2:
         return f"{'met' if met else 'missed'} in the one round: not resolved"
-    if met in (0, n):
-        verdict = "met in every round: resolved" if met else "missed in every round"
-        return verdict + ("; the rounds' spread is wider than the medians' margin" if wide else "")
+    if met == n:
+        if wide:
+            return "met in every round, but the rounds' spread is wider than the medians' margin: not resolved"
+        return "met in every round: resolved"
+    if met == 0:
+        return "missed in every round" + ("; the rounds' spread is wider than the medians' margin" if wide else "")
     side = "met" if c["meets_claim"] else "missed"
     return f"{side} by the medians, {met} of {n} rounds met: not resolved"
 

@@ -92,10 +92,10 @@ def test_summary_takes_medians_over_rounds_and_leaves_the_warm_up_out():
     assert comparison["meets_claim"] is True
     # same-round ratios 0.991..1.0056 around 0.995: wider than its 0.005 above the 0.99 claim
     assert comparison["spread_wider_than_difference"] is True
-    # yet every round meets the claim: resolved, the spread said beside it
+    # every round meets the claim, but the spread is wider than the margin: not resolved
     assert comparison["rounds_meeting_claim"] == 3
     assert gpu_engine.verdict_of(comparison) == (
-        "met in every round: resolved; the rounds' spread is wider than the medians' margin")
+        "met in every round, but the rounds' spread is wider than the medians' margin: not resolved")
 
 
 @pytest.mark.parametrize(("slotroute", "verdict"), [
