@@ -42,7 +42,7 @@ def pool_and_routing():
 
 def test_the_scheduler_store_is_committed_at_start_unless_asked_to_page_in_lazily(monkeypatch):
     from slotroute import store
-    from slotroute.vllm import routing
+    from slotroute.vllm import LAZY_STORE_ENV, routing
 
     if store._resident_bytes(np.zeros(1)) is None:
         pytest.skip("resident memory is read with mincore, which this platform lacks")
@@ -53,7 +53,7 @@ def test_the_scheduler_store_is_committed_at_start_unless_asked_to_page_in_lazil
     kv = SimpleNamespace(num_blocks=8192, kv_cache_groups=[group])
     committed = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
     assert committed.capacity_bytes == 64 << 20 and committed.resident_bytes >= committed.capacity_bytes
-    monkeypatch.setenv(routing.LAZY_STORE_ENV, "1")
+    monkeypatch.setenv(LAZY_STORE_ENV, "1")
     lazy = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
     assert lazy.resident_bytes < 16 << 20
 

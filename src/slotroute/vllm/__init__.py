@@ -34,7 +34,8 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "DISABLE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register", "unsupported_reason"]
+__all__ = ["ADAPTERS", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register",
+           "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -42,6 +43,8 @@ logger = logging.getLogger(LOGGER_NAME)
 
 DISABLE_ENV = "SLOTROUTE_DISABLE"
 MODE_ENV = "SLOTROUTE_VLLM_MODE"
+# Set to 1: the scheduler's store is paged in as steps first write it, instead of at start.
+LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 MODES = ("slotroute", "cpu-capture-only")
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of

@@ -23,13 +23,10 @@ import numpy as np
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
-from slotroute.vllm import LOGGER_NAME
+from slotroute.vllm import LAZY_STORE_ENV, LOGGER_NAME
 from slotroute.vllm.blocks import watch
 
-__all__ = ["LAZY_STORE_ENV", "SlotRouting", "attention_gid", "routing_spec"]
-
-# Set to 1: the scheduler's store is paged in as steps first write it, instead of at start.
-LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
+__all__ = ["SlotRouting", "attention_gid", "routing_spec"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
