@@ -72,6 +72,7 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
 # at start.
 EXTRA_CONFIGS = ("slotroute-lazy",)
+KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute", "slotroute-lazy")
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"}}
@@ -951,7 +952,7 @@ def main() -> None:
                              "(the per-call breakdown), or only the engine start and a few requests (fills the "
                              "compile caches, sparing the workloads' time), and with profile then decode and "
                              "prefill steps under torch.profiler (each kernel's device time per step)")
-    parser.add_argument("--child", choices=CONFIGS + EXTRA_CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=KNOWN_CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--detail", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
@@ -962,9 +963,9 @@ def main() -> None:
         return
     began = time.perf_counter()
     configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in CONFIGS + EXTRA_CONFIGS]
+    unknown = [c for c in configs if c not in KNOWN_CONFIGS]
     if unknown or len(set(configs)) != len(configs):
-        parser.error(f"--configs takes distinct names from {', '.join(CONFIGS + EXTRA_CONFIGS)}, got {args.configs!r}")
+        parser.error(f"--configs takes distinct names from {', '.join(KNOWN_CONFIGS)}, got {args.configs!r}")
     missing = [name for name in ("vllm", "slotroute") if importlib.util.find_spec(name) is None]
     if missing:  # every child would fail alike, and the run's JSON would hold only failures
         sys.exit(f"gpu_engine: {' and '.join(missing)} cannot be imported here (on the device machine: "
