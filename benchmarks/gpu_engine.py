@@ -45,7 +45,9 @@ The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
 off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotroute with
 its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) instead of
-committed at start, compared with slotroute in the same rounds.
+committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's rows all
+read when it finishes, none of its prompt's read ahead while it decodes
+(``SLOTROUTE_READ_AT_FINISH=1``); each compared with slotroute in the same rounds.
 
 usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile|profile] [--json OUT] [--budget-s S]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
@@ -70,12 +72,14 @@ from types import SimpleNamespace
 CONFIGS = ("off", "vllm", "slotroute")
 # Run only when named in --configs: slotroute with its store paged in as steps write it
 # (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
-# at start.
-EXTRA_CONFIGS = ("slotroute-lazy",)
+# at start; and slotroute reading each request's rows only when it finishes
+# (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
-SLOTROUTE_CONFIGS = ("slotroute", "slotroute-lazy")
+SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
-CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"}}
+CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
+              "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -683,7 +687,7 @@ TIMELINE_LATER = ("beyond_period_ms", "turn_add_ms")
 ADDED = ("vllm", "slotroute")
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
-               ("slotroute", "slotroute-lazy", None))
+               ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None))
 
 
 def summarize(children: list[dict]) -> dict:

@@ -127,16 +127,17 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
 
 
-def test_the_lazy_store_configuration_is_compared_with_slotroute_in_the_same_rounds_and_nothing_claimed():
-    children = [child(r, c, v) for r, c, v in [(1, "slotroute", 103), (1, "slotroute-lazy", 100),
-                                               (2, "slotroute-lazy", 81), (2, "slotroute", 82)]]
+@pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish"])
+def test_each_slotroute_variant_is_compared_with_slotroute_in_the_same_rounds_and_nothing_claimed(variant):
+    children = [child(r, c, v) for r, c, v in [(1, "slotroute", 103), (1, variant, 100),
+                                               (2, variant, 81), (2, "slotroute", 82)]]
     summary = gpu_engine.summarize(children)
-    comparison = summary["comparisons"]["rollout: slotroute / slotroute-lazy (tok_s)"]
+    comparison = summary["comparisons"][f"rollout: slotroute / {variant} (tok_s)"]
     assert comparison["round_ratios"] == [1.03, 82 / 81] and comparison["claim"] is None
-    assert "| rollout: slotroute / slotroute-lazy (tok_s) |" in gpu_engine.report(summary, "h")
+    assert f"| rollout: slotroute / {variant} (tok_s) |" in gpu_engine.report(summary, "h")
     # a run without it compares as before
     plain = gpu_engine.summarize([child(1, "slotroute", 103), child(1, "off", 100)])
-    assert not any("lazy" in name for name in plain["comparisons"])
+    assert not any(variant in name for name in plain["comparisons"])
 
 
 def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
@@ -146,6 +147,10 @@ def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
     assert gpu_engine.child_environment("vllm", inherited) == dict(PATH="/bin", SLOTROUTE_DISABLE="1")
     assert gpu_engine.child_environment("slotroute-lazy", dict(PATH="/bin")) == dict(
         PATH="/bin", SLOTROUTE_LAZY_STORE="1")
+    assert gpu_engine.child_environment("slotroute-at-finish", dict(inherited, SLOTROUTE_READ_AT_FINISH="1")) == dict(
+        PATH="/bin", SLOTROUTE_READ_AT_FINISH="1")
+    assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_READ_AT_FINISH="1")) == dict(
+        PATH="/bin")
     assert inherited["SLOTROUTE_LAZY_STORE"] == "1"  # the parent's environment is left as it was
 
 
@@ -154,7 +159,7 @@ def test_configs_other_than_the_known_ones_each_named_once_are_refused(configs, 
     result = subprocess.run([os.sys.executable, gpu_engine.__file__, "--configs", configs, "--json",
                              str(tmp_path / "run.json")], capture_output=True, text=True)
     assert result.returncode == 2
-    assert "--configs takes distinct names from off, vllm, slotroute, slotroute-lazy" in result.stderr
+    assert "--configs takes distinct names from off, vllm, slotroute, slotroute-lazy, slotroute-at-finish" in result.stderr
     assert not (tmp_path / "run.json").exists()
 
 

@@ -245,28 +245,34 @@ class ConnectorReads:
     """The store reads slotroute's connector made for requests' outputs
     (:func:`connector_reads`): one (request id, first row, rows) per read."""
 
+    def of_requests(self) -> dict:
+        """Each request's reads, ``[(first row, rows), ...]`` in the order made."""
+        by_request: dict = {}
+        for req_id, start, rows in self.reads:
+            by_request.setdefault(req_id, []).append((start, rows))
+        return by_request
+
     reads: list
 
 
 @pytest.fixture
 def connector_reads(monkeypatch):
     """On vLLM 0.31+, every read of a request's rows by slotroute's connector, recorded
-    (NOTE 2 of ``ConnectorRouting``: one per request, when it finishes, and one more
-    where it was preempted); ``None`` on 0.28-0.30."""
+    (NOTE 2 and 3 of ``ConnectorRouting``: its prompt's rows read ahead while it decodes,
+    the rest when it finishes, and one more where it was preempted); ``None`` on
+    0.28-0.30."""
     if not connector_generation():
         yield None
         return
     from slotroute.vllm.connector import ConnectorRouting
 
     seen = ConnectorReads(reads=[])
-    original = ConnectorRouting._read_next
+    original = ConnectorRouting._read_into
 
-    def _read_next(self, request):
-        start = self._cursors.get(request.request_id)
-        rows = original(self, request)
-        if isinstance(rows, np.ndarray):
-            seen.reads.append((request.request_id, start, len(rows)))
+    def _read_into(self, req_id, start, end, out=None):
+        rows = original(self, req_id, start, end, out)
+        seen.reads.append((req_id, start, end - start))
         return rows
 
-    monkeypatch.setattr(ConnectorRouting, "_read_next", _read_next)
+    monkeypatch.setattr(ConnectorRouting, "_read_into", _read_into)
     yield seen

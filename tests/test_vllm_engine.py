@@ -469,21 +469,31 @@ def test_prefix_cache_hit_is_served_from_the_slots_it_hit(llm, reference):
     assert_same_completion(again, reference(prompt, 3))
 
 
-@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="the read at finish is the 0.31+ connector's")
-def test_a_requests_rows_are_read_once_when_it_finishes(llm, reference, connector_reads):
-    """No store read while requests run: each request's rows, prompt (prefix-cache hits
-    and earlier prefill chunks included) and generated, come in one read when it
-    finishes, and equal a lone run's without prefix caching."""
-    llm.reset_prefix_cache()
-    prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]
-    first = generate(llm, prompts, greedy(9))
-    assert sorted(n for _, _, n in connector_reads.reads) == sorted(len(p) + 8 for p in prompts)
-    connector_reads.reads.clear()
-    long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked prefill
-    again = generate(llm, prompts + [long_prompt], greedy(9))
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="the reads are the 0.31+ connector's")
+@pytest.mark.parametrize("read_ahead", [True, False], ids=["read-ahead", "read-at-finish"])
+def test_a_requests_prompt_rows_are_read_ahead_and_the_rest_once_when_it_finishes(
+    llm, reference, connector_reads, read_ahead
+):
+    """Each request's prompt rows (prefix-cache hits and earlier prefill chunks
+    included) in one read while it decodes, its generated rows in one read when it
+    finishes, equal to a lone run's without prefix caching; with the read-ahead off
+    (``SLOTROUTE_READ_AT_FINISH=1``), all of them in one read when it finishes."""
+    routing = routing_of(scheduler_of(llm))
+    routing._reads_ahead = read_ahead  # what the variable sets when the engine starts
+    try:
+        llm.reset_prefix_cache()
+        prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]
+        long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked prefill
+        first = generate(llm, prompts, greedy(9))
+        connector_reads.reads.clear()
+        again = generate(llm, prompts + [long_prompt], greedy(9))
+    finally:
+        routing._reads_ahead = True
     assert [c.num_cached_tokens for c in again[:3]] == [BLOCK_SIZE] * 3
-    assert sorted(n for _, _, n in connector_reads.reads) == sorted(len(p) + 8 for p in prompts + [long_prompt])
-    assert {start for _, start, _ in connector_reads.reads} == {0}
+    reads = connector_reads.of_requests()
+    expected = [[(0, len(p)), (len(p), 8)] if read_ahead else [(0, len(p) + 8)] for p in prompts + [long_prompt]]
+    assert sorted(reads.values()) == sorted(expected)
+    assert not routing._ahead and not routing._prompt_due and routing._ahead_held == 0
     for got, was, prompt in zip(again, first + [None], prompts + [long_prompt]):
         assert_same_completion(got, reference(prompt, 9))
         if was is not None:

@@ -34,8 +34,8 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "register",
-           "unsupported_reason"]
+__all__ = ["ADAPTERS", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
+           "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -45,6 +45,9 @@ DISABLE_ENV = "SLOTROUTE_DISABLE"
 MODE_ENV = "SLOTROUTE_VLLM_MODE"
 # Set to 1: the scheduler's store is paged in as steps first write it, instead of at start.
 LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
+# Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
+# prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
+READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
 MODES = ("slotroute", "cpu-capture-only")
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of

@@ -22,9 +22,12 @@ want of routing.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from slotroute.spec import MissingRoutingError
+from slotroute.vllm import READ_AT_FINISH_ENV
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.offload import follow_kv
 from slotroute.vllm.patches import Patch
@@ -35,6 +38,15 @@ from slotroute.wire import RoutedExpertsLists, StepFailure, StepMeta
 __all__ = ["PD_CONNECTORS", "ConnectorRouting", "connector_patches", "connector_patches_0_33"]
 
 SCHEDULER = "vllm.v1.core.sched.scheduler"
+
+# NOTE 3 of ConnectorRouting: the prompt rows read ahead in one step past its first
+# request's (what bounds the host time read-ahead adds to a decode step), the prompt
+# rows held ahead over all running requests, and the largest buffer one request reads
+# ahead into (its capacity, mostly never touched); past the last two, rows are read at
+# finish.
+READ_AHEAD_STEP_BYTES = 4 << 20
+READ_AHEAD_HELD_BYTES = 512 << 20
+READ_AHEAD_REQUEST_BYTES = 256 << 20
 
 
 def first_row(request) -> int:
@@ -76,6 +88,21 @@ class ConnectorRouting:
     blocks: it reads the rows emitted so far then (``_saved``), while they are
     stored, and the next rows the request returns follow them.
 
+    NOTE 3: the prompt's rows are read ahead, while the request decodes. A read at
+    finish lands in the step that finishes the request, and where many requests finish
+    together (the turn of a multi-turn rollout, each request's prompt the whole
+    conversation so far) that step's host time is exposed: no forward runs beside it,
+    and ``generate`` returns only after it. So from its second emitting step on (not in
+    the step that completes its prefill, whose host time the forward does not hide
+    either), a request's rows from its cursor to the end of its prompt, stored since
+    its prefill completed, are read into a buffer sized for every row it can return
+    (prompt and ``max_tokens``; the pages past the rows written are never touched). At
+    finish only the generated rows are read, into the same buffer, and the request
+    gets a view of it: no row is copied twice. Nothing is returned before the request
+    finishes, so a request that fails still returns no rows. Bounded per step by
+    ``READ_AHEAD_STEP_BYTES`` past its first read, and in all by
+    ``READ_AHEAD_HELD_BYTES``; ``SLOTROUTE_READ_AT_FINISH=1`` turns it off.
+
     Parameters
     ----------
     core
@@ -100,6 +127,14 @@ class ConnectorRouting:
         # Request id -> rows read but not yet returned (NOTE 2), or the error of a
         # read that missed.
         self._saved: dict[str, list[np.ndarray] | MissingRoutingError] = {}
+        # Requests whose prompt rows are still to be read ahead (NOTE 3), and for those
+        # read, (buffer, the row its first holds): filled up to the request's cursor.
+        self._prompt_due: set[str] = set()
+        self._ahead: dict[str, tuple[np.ndarray, int]] = {}
+        self._ahead_held = 0  # bytes of the rows read ahead, over all of ``_ahead``
+        self._ahead_budget = READ_AHEAD_STEP_BYTES  # bytes left to read ahead in this step
+        self._row_bytes = core.store.routed_experts_by_slot[0].nbytes
+        self._reads_ahead = os.environ.get(READ_AT_FINISH_ENV) != "1"
         # What serves the hits of the scheduler's KV transfer connector, if it has one
         # (slotroute/vllm/offload.py).
         self.external_hits = None
@@ -119,22 +154,63 @@ class ConnectorRouting:
         self.core.seal_step(scheduler_output)
         cursors = self._cursors
         for req_id in scheduler_output.num_scheduled_tokens.keys() - cursors.keys():
-            cursors[req_id] = first_row(requests[req_id])
+            request = requests[req_id]
+            cursors[req_id] = start = first_row(request)
+            if start < request.num_prompt_tokens and self._reads_ahead:
+                self._prompt_due.add(req_id)  # NOTE 3
         if self._parked:
             for req_id in scheduler_output.num_scheduled_tokens.keys() & self._parked.keys():
                 del self._parked[req_id]
         return StepMeta(scheduler_output.total_num_scheduled_tokens)
 
     def take_output(self, request, output) -> np.ndarray | None:
-        """``None`` while the request runs (NOTE 2); once it is finished, or when the
+        """``None`` while the request runs (NOTE 2; the empty marker of ``missing`` if
+        the read ahead of its prompt missed, NOTE 3); once it is finished, or when the
         output of a step in flight at its preemption arrives (NOTE 1), its rows not
         yet returned, up to the token before its last sampled one (``output``, vLLM's
         worker output, was stored before vLLM's ``update_from_output`` ran): a copy,
-        one store read over the blocks that hold them. Bounded, while the request
-        runs, by Python call overhead: a status check and a dict lookup."""
+        one store read over the blocks that hold them (after NOTE 3's read ahead, of
+        the generated rows into its buffer, whose view it is). Bounded, while the request
+        runs, by Python call overhead: a status check and a dict lookup, and once a
+        set lookup and the read of its prompt rows ahead (NOTE 3)."""
         if not request.is_finished() and request.request_id not in self._parked:
+            if self._prompt_due and request.request_id in self._prompt_due:
+                return self._read_ahead(request)
             return None
         return self._take(request)
+
+    def _read_ahead(self, request) -> np.ndarray | None:
+        """Read a running request's prompt rows ahead (NOTE 3) where this step's and the
+        held budgets allow. ``None``, or the empty marker of a read that missed: the
+        request fails now, as it would have at finish."""
+        if request.num_output_tokens < 2 or self._ahead_budget <= 0 or self._ahead_held >= READ_AHEAD_HELD_BYTES:
+            return None  # the step that completes its prefill, or a budget spent: a later step
+        req_id = request.request_id
+        self._prompt_due.discard(req_id)
+        start, end = self._cursors[req_id], request.num_prompt_tokens
+        capacity = request.num_prompt_tokens + request.max_tokens - 1 - start
+        if end <= start or capacity * self._row_bytes > READ_AHEAD_REQUEST_BYTES:
+            return None  # resumed past its prompt, or too large a buffer: read at finish
+        pool = self.store.routed_experts_by_slot
+        buffer = np.empty((capacity, *pool.shape[1:]), pool.dtype)
+        try:
+            self._read_into(req_id, start, end, buffer[: end - start])
+        except MissingRoutingError as error:
+            return self.core.missing(error)
+        self._cursors[req_id] = end
+        self._ahead[req_id] = (buffer, start)
+        nbytes = (end - start) * self._row_bytes
+        self._ahead_budget -= nbytes
+        self._ahead_held += nbytes
+        return None
+
+    def _pop_ahead(self, req_id: str) -> tuple[np.ndarray, int] | None:
+        """Forget the request's read-ahead buffer: ``(buffer, its first row)``, filled
+        up to the request's cursor, or ``None``."""
+        ahead = self._ahead.pop(req_id, None)
+        if ahead is not None:
+            self._ahead_held -= (self._cursors[req_id] - ahead[1]) * self._row_bytes
+        return ahead
 
     def _take(self, request) -> np.ndarray | None:
         """The request's rows from its cursor to the token before its last sampled
@@ -142,8 +218,11 @@ class ConnectorRouting:
         some is not stored; ``None`` if there are none."""
         req_id = request.request_id
         saved = self._saved.pop(req_id, None)
+        ahead = self._pop_ahead(req_id)  # none where rows were saved: preemption folds it in there
         if isinstance(saved, MissingRoutingError):
             return self.core.missing(saved)  # the request fails: its other rows are not read
+        if ahead is not None:
+            return self._finish_ahead(request, *ahead)
         rows = self._read_next(request)
         if isinstance(rows, MissingRoutingError):
             return self.core.missing(rows)
@@ -168,6 +247,26 @@ class ConnectorRouting:
         except MissingRoutingError as error:
             return error
 
+    def _finish_ahead(self, request, buffer: np.ndarray, first: int) -> np.ndarray:
+        """A finished request's rows whose prompt was read ahead (NOTE 3): the rest read
+        into the same buffer, a view of its rows ``first ..``; the empty marker of
+        ``missing`` if some is not stored. More rows than the buffer holds (a streaming
+        session given more tokens) are read and joined to it instead."""
+        req_id = request.request_id
+        start, end = self._cursors[req_id], request.num_tokens - 1
+        if end - first > len(buffer):
+            rows = self._read_next(request)
+            if isinstance(rows, MissingRoutingError):
+                return self.core.missing(rows)
+            return np.concatenate([buffer[: start - first], rows])
+        if end > start:
+            self._cursors[req_id] = end
+            try:
+                self._read_into(req_id, start, end, buffer[start - first : end - first])
+            except MissingRoutingError as error:
+                return self.core.missing(error)
+        return buffer[: max(start, end) - first]
+
     def _block_ids(self, req_id: str, first: int, stop: int) -> list[int]:
         """Ids of the request's blocks ``first .. stop - 1`` (current or parked)."""
         blocks = self._req_blocks.get(req_id)
@@ -175,9 +274,9 @@ class ConnectorRouting:
             return [block.block_id for block in blocks[first:stop]]
         return self._parked.get(req_id, [])[first:stop]  # preempted with this step in flight (NOTE 1)
 
-    def _read_into(self, req_id: str, start: int, end: int) -> np.ndarray:
-        """Rows ``start .. end - 1`` of the request from the store (a copy), over the
-        blocks that hold them.
+    def _read_into(self, req_id: str, start: int, end: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows ``start .. end - 1`` of the request from the store (a copy, or ``out``
+        where given), over the blocks that hold them.
 
         Raises
         ------
@@ -189,13 +288,15 @@ class ConnectorRouting:
         block_ids = self._block_ids(req_id, first, stop)
         if len(block_ids) * size < end - first * size:
             raise MissingRoutingError(f"request {req_id}: the blocks of its tokens {start}-{end - 1} are gone")
-        return self.store.get(block_ids, end - first * size, start - first * size)
+        return self.store.get(block_ids, end - first * size, start - first * size, out)
 
     def request_finished(self, request) -> None:
         """Forget a finished request. A preempted one's rows emitted so far are read
         now, before its blocks are freed (NOTE 2), and its blocks parked (NOTE 1)."""
         req_id = request.request_id
         if request.is_finished():
+            self._prompt_due.discard(req_id)
+            self._pop_ahead(req_id)
             self._cursors.pop(req_id, None)
             self._parked.pop(req_id, None)
             self._saved.pop(req_id, None)
@@ -206,6 +307,11 @@ class ConnectorRouting:
             # Every token before the last sampled one was forwarded by a step whose
             # output arrived: its row is stored. A request still in its prompt has
             # emitted nothing; its rows are read after it resumes.
+            self._prompt_due.discard(req_id)
+            ahead = self._pop_ahead(req_id)
+            if ahead is not None:  # its prompt rows, read ahead, come first
+                buffer, first = ahead
+                self._saved[req_id] = [*self._saved.get(req_id, ()), buffer[: self._cursors[req_id] - first]]
             rows = self._read_next(request)
             if rows is not None:
                 self._saved[req_id] = rows if isinstance(rows, MissingRoutingError) else [*self._saved.get(req_id, ()), rows]
@@ -245,13 +351,15 @@ class ConnectorRouting:
         """Store one step's worker output before vLLM reads any request's rows: the
         step's invalidations first (NOTE 1 of ``SlotRouting``), then its rows; a
         :class:`StepFailure` invalidates the blocks the step wrote instead, so each
-        request in it fails alone. Bounded by the store's ``store_batch``.
+        request in it fails alone; this step's read-ahead budget is renewed (NOTE 3).
+        Bounded by the store's ``store_batch``.
 
         Raises
         ------
         ValueError, IndexError
             As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
         """
+        self._ahead_budget = READ_AHEAD_STEP_BYTES
         external = self.external_hits
         if external is not None:
             external.capture(scheduler_output, finished=True)
