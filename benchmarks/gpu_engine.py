@@ -48,6 +48,8 @@ its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) inst
 committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's rows all
 read when it finishes, none of its prompt's read ahead while it decodes
 (``SLOTROUTE_READ_AT_FINISH=1``); each compared with slotroute in the same rounds.
+``--workloads`` runs some of the three workloads only (each child then takes less device
+time: more rounds fit a session).
 
 usage: python benchmarks/gpu_engine.py [--runner v2|v1] [--rounds 3] [--warm-up full|compile|profile] [--json OUT] [--budget-s S]
 (``--layers 2 --requests 8 --prompt-len 128 --gen-len 16 --kv-cache-gb 1 --eager --rounds 1``
@@ -390,7 +392,7 @@ def child(args) -> None:
         prompts = [p[:prompt_len] for p in rollout[:count]]
         profiles[name] = device_profile(lambda: run(prompts, generated), step_ends)
     results = {}
-    for name in () if args.compile_only else WORKLOADS:
+    for name in () if args.compile_only else args.workloads.split(","):
         llm.reset_prefix_cache()
         timer.reset()
         shipped.clear()
@@ -941,6 +943,7 @@ def main() -> None:
     parser.add_argument("--runner", choices=("v2", "v1"), default="v2")
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=256, help="rollout requests (conversations: a quarter)")
     parser.add_argument("--prompt-len", type=int, default=1024)
@@ -966,16 +969,18 @@ def main() -> None:
         child(args)
         return
     began = time.perf_counter()
-    configs = args.configs.split(",")
-    unknown = [c for c in configs if c not in KNOWN_CONFIGS]
-    if unknown or len(set(configs)) != len(configs):
-        parser.error(f"--configs takes distinct names from {', '.join(KNOWN_CONFIGS)}, got {args.configs!r}")
+    configs, workloads = args.configs.split(","), args.workloads.split(",")
+    for option, names, known in (("--configs", configs, KNOWN_CONFIGS), ("--workloads", workloads, WORKLOADS)):
+        if any(name not in known for name in names) or len(set(names)) != len(names):
+            parser.error(f"{option} takes distinct names from {', '.join(known)}, got {','.join(names)!r}")
     missing = [name for name in ("vllm", "slotroute") if importlib.util.find_spec(name) is None]
     if missing:  # every child would fail alike, and the run's JSON would hold only failures
         sys.exit(f"gpu_engine: {' and '.join(missing)} cannot be imported here (on the device machine: "
                  "the kit's parts, then `gpu_device.sh install`); no child started, no JSON written")
     setup = dict(runner=args.runner, layers=args.layers, configs=configs, rounds=args.rounds, requests=args.requests,
                  prompt_len=args.prompt_len, gen_len=args.gen_len, kv_cache_gb=args.kv_cache_gb, eager=args.eager)
+    if workloads != list(WORKLOADS):  # a run of every workload keeps the setup of runs before this option
+        setup["workloads"] = workloads
     state = continued(args.json, setup, plan(configs, args.rounds))
     model = write_config(Path(tempfile.gettempdir()) / f"qwen3-30b-a3b-shape-{args.layers}", args.layers)
     env = dict(os.environ)
@@ -996,7 +1001,8 @@ def main() -> None:
             break
         child_env = child_environment(entry["config"], env)
         command = [sys.executable, __file__, "--child", entry["config"], "--model", str(model), "--requests",
-                   str(args.requests), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len)]
+                   str(args.requests), "--prompt-len", str(args.prompt_len), "--gen-len", str(args.gen_len),
+                   "--workloads", args.workloads]
         if args.kv_cache_gb is not None:
             command += ["--kv-cache-gb", str(args.kv_cache_gb)]
         if args.eager:

@@ -163,6 +163,33 @@ def test_configs_other_than_the_known_ones_each_named_once_are_refused(configs, 
     assert not (tmp_path / "run.json").exists()
 
 
+@pytest.mark.parametrize("workloads", ["rollout,chat", "rollout,rollout", ""])
+def test_workloads_other_than_the_known_ones_each_named_once_are_refused(workloads, tmp_path):
+    result = subprocess.run([os.sys.executable, gpu_engine.__file__, "--workloads", workloads, "--json",
+                             str(tmp_path / "run.json")], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "--workloads takes distinct names from rollout, multi-turn, multi-turn-start" in result.stderr
+    assert not (tmp_path / "run.json").exists()
+
+
+def test_a_run_of_some_workloads_keeps_them_in_its_setup_and_is_continued_only_with_them(tmp_path):
+    pytest.importorskip("vllm")
+    path = str(tmp_path / "run.json")
+
+    def run(*options):  # a budget of 0 s: the run is set up and written, no child started
+        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0", *options],
+                              capture_output=True, text=True)
+
+    assert run("--workloads", "multi-turn,multi-turn-start").returncode == 0
+    assert json.loads(pathlib.Path(path).read_text())["setup"]["workloads"] == ["multi-turn", "multi-turn-start"]
+    assert "continuing" in run("--workloads", "multi-turn,multi-turn-start").stdout
+    refused = run()
+    assert refused.returncode == 1 and "workloads: ['multi-turn', 'multi-turn-start'] there, None asked" in refused.stderr
+    pathlib.Path(path).unlink()
+    assert run("--workloads", "rollout,multi-turn,multi-turn-start").returncode == 0  # every workload: as before
+    assert "workloads" not in json.loads(pathlib.Path(path).read_text())["setup"]
+
+
 def test_a_run_where_vllm_cannot_be_imported_starts_no_child_and_writes_no_json(tmp_path):
     # a machine without vLLM (a fresh device machine before the kit), whatever this one has
     code = ("import importlib.util, sys, runpy; real = importlib.util.find_spec; "
