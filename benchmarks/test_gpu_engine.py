@@ -154,21 +154,18 @@ def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
     assert inherited["SLOTROUTE_LAZY_STORE"] == "1"  # the parent's environment is left as it was
 
 
-@pytest.mark.parametrize("configs", ["off,slotroute,lazy", "off,off", ""])
-def test_configs_other_than_the_known_ones_each_named_once_are_refused(configs, tmp_path):
-    result = subprocess.run([os.sys.executable, gpu_engine.__file__, "--configs", configs, "--json",
-                             str(tmp_path / "run.json")], capture_output=True, text=True)
-    assert result.returncode == 2
-    assert "--configs takes distinct names from off, vllm, slotroute, slotroute-lazy, slotroute-at-finish" in result.stderr
-    assert not (tmp_path / "run.json").exists()
+KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish",
+         "--workloads": "rollout, multi-turn, multi-turn-start"}
 
 
-@pytest.mark.parametrize("workloads", ["rollout,chat", "rollout,rollout", ""])
-def test_workloads_other_than_the_known_ones_each_named_once_are_refused(workloads, tmp_path):
-    result = subprocess.run([os.sys.executable, gpu_engine.__file__, "--workloads", workloads, "--json",
+@pytest.mark.parametrize("option, names", [("--configs", "off,slotroute,lazy"), ("--configs", "off,off"),
+                                           ("--configs", ""), ("--workloads", "rollout,chat"),
+                                           ("--workloads", "rollout,rollout"), ("--workloads", "")])
+def test_configs_and_workloads_other_than_the_known_ones_each_named_once_are_refused(option, names, tmp_path):
+    result = subprocess.run([os.sys.executable, gpu_engine.__file__, option, names, "--json",
                              str(tmp_path / "run.json")], capture_output=True, text=True)
     assert result.returncode == 2
-    assert "--workloads takes distinct names from rollout, multi-turn, multi-turn-start" in result.stderr
+    assert f"{option} takes distinct names from {KNOWN[option]}" in result.stderr
     assert not (tmp_path / "run.json").exists()
 
 
