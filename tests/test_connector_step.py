@@ -248,6 +248,18 @@ def test_nothing_is_read_ahead_past_the_held_budget_or_into_too_large_a_buffer(w
     np.testing.assert_array_equal(rows, stored(w, 0, 0, end))
 
 
+def test_a_buffer_the_host_refuses_leaves_the_rows_to_be_read_at_finish(workload, monkeypatch):
+    w, i = workload, 6
+    routing, end = w.routing, w.positions[6] + 1
+    due(w, i)
+    with monkeypatch.context() as refusing:
+        refusing.setattr(np, "empty", lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError()))
+        assert routing.take_output(decoding(w, i, 2), None) is None
+    assert not routing._ahead and not routing._prompt_due and routing._cursors[w.req_ids[i]] == 0
+    rows = routing.take_output(decoding(w, i, end + 1 - PROMPT, finished=True), None)
+    np.testing.assert_array_equal(rows, stored(w, i, 0, end))
+
+
 def test_a_read_ahead_that_misses_fails_the_request_at_once(workload):
     w, i = workload, 4
     routing = w.routing

@@ -101,7 +101,8 @@ class ConnectorRouting:
     gets a view of it: no row is copied twice. Nothing is returned before the request
     finishes, so a request that fails still returns no rows. Bounded per step by
     ``READ_AHEAD_STEP_BYTES`` past its first read, and in all by
-    ``READ_AHEAD_HELD_BYTES``; ``SLOTROUTE_READ_AT_FINISH=1`` turns it off.
+    ``READ_AHEAD_HELD_BYTES``; past those, or where the host refuses the buffer, the
+    rows are read at finish. ``SLOTROUTE_READ_AT_FINISH=1`` turns it off.
 
     Parameters
     ----------
@@ -192,7 +193,10 @@ class ConnectorRouting:
         if end <= start or capacity * self._row_bytes > READ_AHEAD_REQUEST_BYTES:
             return None  # resumed past its prompt, or too large a buffer: read at finish
         pool = self.store.routed_experts_by_slot
-        buffer = np.empty((capacity, *pool.shape[1:]), pool.dtype)
+        try:
+            buffer = np.empty((capacity, *pool.shape[1:]), pool.dtype)
+        except MemoryError:  # a host that commits address space strictly: read at finish
+            return None
         try:
             self._read_into(req_id, start, end, buffer[: end - start])
         except MissingRoutingError as error:
