@@ -245,14 +245,14 @@ class ConnectorReads:
     """The store reads slotroute's connector made for requests' outputs
     (:func:`connector_reads`): one (request id, first row, rows) per read."""
 
+    reads: list
+
     def of_requests(self) -> dict:
         """Each request's reads, ``[(first row, rows), ...]`` in the order made."""
         by_request: dict = {}
         for req_id, start, rows in self.reads:
             by_request.setdefault(req_id, []).append((start, rows))
         return by_request
-
-    reads: list
 
 
 @pytest.fixture
