@@ -341,3 +341,16 @@ def test_rows_returned_over_random_schedules_equal_the_stored_rows(seed, monkeyp
         np.testing.assert_array_equal(np.concatenate(chunks), stored(w, i, starts[i], w.positions[i] + 1))
     assert not routing._ahead and not routing._prompt_due and not routing._saved and not routing._cursors
     assert routing._ahead_held == 0
+
+
+def test_a_step_carried_no_prompt_token_where_each_request_ran_its_one_token_and_its_drafts():
+    from slotroute.vllm.connector import decode_only
+
+    def step(tokens: dict, drafts: dict | None = None):
+        return SimpleNamespace(num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
+                               scheduled_spec_decode_tokens=drafts or {})
+
+    assert decode_only(step({"a": 1, "b": 1}))
+    assert not decode_only(step({"a": 1, "b": 40}))  # b's prompt, or a chunk of it
+    assert decode_only(step({"a": 4, "b": 1}, {"a": [7, 8, 9]}))
+    assert not decode_only(step({"a": 4, "b": 3}, {"a": [7, 8, 9]}))

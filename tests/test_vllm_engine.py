@@ -475,24 +475,32 @@ def test_a_requests_prompt_rows_are_read_ahead_and_the_rest_once_when_it_finishe
     llm, reference, connector_reads, read_ahead
 ):
     """Each request's prompt rows (prefix-cache hits and earlier prefill chunks
-    included) in one read while it decodes, its generated rows in one read when it
-    finishes, equal to a lone run's without prefix caching; with the read-ahead off
-    (``SLOTROUTE_READ_AT_FINISH=1``), all of them in one read when it finishes."""
+    included) in one read in a step that carried no prompt token, its generated rows in
+    one read when it finishes, equal to a lone run's without prefix caching; a request
+    that finishes while others' prompts still run, all in one read then, as with the
+    read-ahead off (``SLOTROUTE_READ_AT_FINISH=1``)."""
     routing = routing_of(scheduler_of(llm))
     routing._reads_ahead = read_ahead  # what the variable sets when the engine starts
     try:
         llm.reset_prefix_cache()
         prompts = [prompt_tokens(70 + i, BLOCK_SIZE + 5 + i) for i in range(3)]
         long_prompt = prompt_tokens(73, 3 * TOKEN_BUDGET + 9)  # chunked prefill
-        first = generate(llm, prompts, greedy(9))
+        first = generate(llm, prompts, greedy(9))  # one prefill step, then decode steps only
+        first_reads = connector_reads.of_requests()
         connector_reads.reads.clear()
         again = generate(llm, prompts + [long_prompt], greedy(9))
     finally:
         routing._reads_ahead = True
     assert [c.num_cached_tokens for c in again[:3]] == [BLOCK_SIZE] * 3
+    expected = [[(0, len(p)), (len(p), 8)] if read_ahead else [(0, len(p) + 8)] for p in prompts]
+    assert sorted(first_reads.values()) == sorted(expected)
     reads = connector_reads.of_requests()
-    expected = [[(0, len(p)), (len(p), 8)] if read_ahead else [(0, len(p) + 8)] for p in prompts + [long_prompt]]
-    assert sorted(reads.values()) == sorted(expected)
+    for request_reads, prompt in zip(sorted(reads.values(), key=lambda r: sum(n for _, n in r)), prompts + [long_prompt]):
+        assert [start for start, _ in request_reads] == [0, *np.cumsum([n for _, n in request_reads])[:-1]]
+        assert sum(n for _, n in request_reads) == len(prompt) + 8
+    # the long prompt's prefill completes last: the steps after it carry no prompt token
+    long_reads = max(reads.values(), key=lambda r: sum(n for _, n in r))
+    assert long_reads == ([(0, len(long_prompt)), (len(long_prompt), 8)] if read_ahead else [(0, len(long_prompt) + 8)])
     assert not routing._ahead and not routing._prompt_due and routing._ahead_held == 0
     for got, was, prompt in zip(again, first + [None], prompts + [long_prompt]):
         assert_same_completion(got, reference(prompt, 9))

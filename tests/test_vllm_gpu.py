@@ -241,7 +241,10 @@ def test_prefix_cache_hits_and_chunked_prefill_match_the_reference(llm, gpu_refe
         reads = connector_reads.of_requests()
         print(f"RESULT connector reads {len(connector_reads.reads)} for {len(reads)} requests")
         assert len(reads) == 1 + len(PREFIX_PROMPTS)
-        assert all(len(r) == 2 and r[0][0] == 0 and r[1] == (r[0][1], 7) for r in reads.values()), reads
+        # each request's rows read in order, the prompt's ahead where a step without
+        # prompt tokens came before it finished, the rest at finish
+        assert all([s for s, _ in r] == [0, *np.cumsum([n for _, n in r])[:-1]] and len(r) <= 2
+                   for r in reads.values()), reads
 
 
 def test_forced_preemption_returns_the_routing_of_an_unpreempted_run(llm, gpu_reference, oracle):

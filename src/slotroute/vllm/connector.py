@@ -49,6 +49,15 @@ READ_AHEAD_HELD_BYTES = 512 << 20
 READ_AHEAD_REQUEST_BYTES = 256 << 20
 
 
+def decode_only(scheduler_output) -> bool:
+    """Whether a step carried no prompt token: each request its one token and its
+    draft tokens. Bounded by a sum over the step's draft-token lists (none without
+    speculative decoding)."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    tokens = len(scheduler_output.num_scheduled_tokens) + (sum(map(len, drafts.values())) if drafts else 0)
+    return scheduler_output.total_num_scheduled_tokens <= tokens
+
+
 def first_row(request) -> int:
     """The first row a request returns when it is scheduled now: its
     ``routed_experts_prompt_start`` (at most the prompt), or, for one that already
@@ -92,17 +101,18 @@ class ConnectorRouting:
     finish lands in the step that finishes the request, and where many requests finish
     together (the turn of a multi-turn rollout, each request's prompt the whole
     conversation so far) that step's host time is exposed: no forward runs beside it,
-    and ``generate`` returns only after it. So from its second emitting step on (not in
-    the step that completes its prefill, whose host time the forward does not hide
-    either), a request's rows from its cursor to the end of its prompt, stored since
-    its prefill completed, are read into a buffer sized for every row it can return
-    (prompt and ``max_tokens``; the pages past the rows written are never touched). At
-    finish only the generated rows are read, into the same buffer, and the request
-    gets a view of it: no row is copied twice. Nothing is returned before the request
-    finishes, so a request that fails still returns no rows. Bounded per step by
-    ``READ_AHEAD_STEP_BYTES`` past its first read, and in all by
-    ``READ_AHEAD_HELD_BYTES``; past those, or where the host refuses the buffer, the
-    rows are read at finish. ``SLOTROUTE_READ_AT_FINISH=1`` turns it off.
+    and ``generate`` returns only after it. So in a step that carried no prompt token
+    (:func:`decode_only`; the GPU runs of docs/benchmarks.md show a decode step's host
+    time hidden under the forward, and a prefill step's not), a request past its first
+    emitting step has its rows from its cursor to the end of its prompt, stored since
+    its prefill completed, read into a buffer sized for every row it can return (prompt
+    and ``max_tokens``; the pages past the rows written are never touched). At finish
+    only the generated rows are read, into the same buffer, and the request gets a view
+    of it: no row is copied twice. Nothing is returned before the request finishes, so
+    a request that fails still returns no rows. Bounded per step by
+    ``READ_AHEAD_STEP_BYTES`` past its first read, in all by ``READ_AHEAD_HELD_BYTES``;
+    past those, or where the host refuses the buffer, the rows are read at finish.
+    ``SLOTROUTE_READ_AT_FINISH=1`` turns it off.
 
     Parameters
     ----------
@@ -185,7 +195,7 @@ class ConnectorRouting:
         held budgets allow. ``None``, or the empty marker of a read that missed: the
         request fails now, as it would have at finish."""
         if request.num_output_tokens < 2 or self._ahead_budget <= 0 or self._ahead_held >= READ_AHEAD_HELD_BYTES:
-            return None  # the step that completes its prefill, or a budget spent: a later step
+            return None  # its prefill just completed, the step carried prompt tokens, or a budget is spent
         req_id = request.request_id
         self._prompt_due.discard(req_id)
         start, end = self._cursors[req_id], request.num_prompt_tokens
@@ -355,15 +365,16 @@ class ConnectorRouting:
         """Store one step's worker output before vLLM reads any request's rows: the
         step's invalidations first (NOTE 1 of ``SlotRouting``), then its rows; a
         :class:`StepFailure` invalidates the blocks the step wrote instead, so each
-        request in it fails alone; this step's read-ahead budget is renewed (NOTE 3).
-        Bounded by the store's ``store_batch``.
+        request in it fails alone; the read-ahead budget is renewed for a step that
+        carried no prompt token, and spent for any other (NOTE 3). Bounded by the
+        store's ``store_batch``.
 
         Raises
         ------
         ValueError, IndexError
             As ``RoutedExpertsManager.store_batch``: the worker sent a malformed step.
         """
-        self._ahead_budget = READ_AHEAD_STEP_BYTES
+        self._ahead_budget = READ_AHEAD_STEP_BYTES if decode_only(scheduler_output) else 0
         external = self.external_hits
         if external is not None:
             external.capture(scheduler_output, finished=True)
