@@ -254,6 +254,13 @@ class ConnectorReads:
             by_request.setdefault(req_id, []).append((start, rows))
         return by_request
 
+    @staticmethod
+    def in_order(request_reads: list) -> bool:
+        """Whether a request's reads (:meth:`of_requests`) start at row 0, each where
+        the one before it ended."""
+        ends = np.cumsum([rows for _, rows in request_reads])
+        return [start for start, _ in request_reads] == [0, *ends[:-1]]
+
 
 @pytest.fixture
 def connector_reads(monkeypatch):

@@ -243,8 +243,7 @@ def test_prefix_cache_hits_and_chunked_prefill_match_the_reference(llm, gpu_refe
         assert len(reads) == 1 + len(PREFIX_PROMPTS)
         # each request's rows read in order, the prompt's ahead where a step without
         # prompt tokens came before it finished, the rest at finish
-        assert all([s for s, _ in r] == [0, *np.cumsum([n for _, n in r])[:-1]] and len(r) <= 2
-                   for r in reads.values()), reads
+        assert all(connector_reads.in_order(r) and len(r) <= 2 for r in reads.values()), reads
 
 
 def test_forced_preemption_returns_the_routing_of_an_unpreempted_run(llm, gpu_reference, oracle):
