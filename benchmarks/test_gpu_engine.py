@@ -118,6 +118,15 @@ def test_one_round_resolves_nothing():
     assert gpu_engine.verdict_of(comparison) == "met in the one round: not resolved"
 
 
+def test_two_rounds_that_agree_within_the_margin_resolve_nothing():
+    children = [child(r, c, v) for r, c, v in [(1, "vllm", 100), (1, "slotroute", 103), (2, "vllm", 80),
+                                               (2, "slotroute", 82.5)]]
+    comparison = gpu_engine.summarize(children)["comparisons"]["rollout: slotroute / vllm (tok_s)"]
+    assert comparison["meets_claim"] is True and comparison["spread_wider_than_difference"] is False
+    assert gpu_engine.verdict_of(comparison) == (
+        "met in every round, spread narrower than the margin, but 2 rounds of the 3 a claim needs: not resolved")
+
+
 def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     children = [child(r, c, v) for r, c, v in [(1, "vllm", 100), (1, "slotroute", 103), (2, "vllm", 80),
                                                (2, "slotroute", 82.5), (3, "vllm", 120), (3, "slotroute", 123.4)]]
@@ -480,3 +489,21 @@ def test_device_profiles_list_the_kernels_whose_time_differs_between_configurati
     assert entry["configs"]["slotroute"] == dict(error="RuntimeError: CUPTI_ERROR_NOT_INITIALIZED")
     assert list(entry["kernels"]) == ["copy_kernel", attention]
     assert "error: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED" in gpu_engine.report(gpu_engine.summarize(children), "h")
+
+
+def test_a_round_that_lacks_some_configurations_figures_is_left_out_of_every_median_and_named():
+    children = [child(r, c, v) for r, c, v in [(1, "off", 100), (1, "slotroute", 101), (2, "slotroute", 99),
+                                               (2, "off", 102), (3, "slotroute", 80)]]
+    children.append(dict(round=3, config="off"))  # still to run, or failed
+    summary = gpu_engine.summarize(children)
+    assert summary["rounds"] == [1, 2] and summary["partial_rounds"] == {3: ["slotroute"]}
+    tok = summary["configs"]["rollout"]["slotroute"]["tok_s"]
+    assert (tok["median"], tok["n"]) == (100, 2)
+    comparison = summary["comparisons"]["rollout: slotroute / off (tok_s)"]
+    assert comparison["ratio_of_medians"] == pytest.approx(100 / 101)
+    assert comparison["round_ratios"] == pytest.approx([1.01, 99 / 102])
+    assert gpu_engine.rounds_done(summary, 3) == (
+        "rounds done: 2 of 3 (round 0, the warm-up, left out; round 3 left out, its figures only from slotroute)")
+    whole = gpu_engine.summarize(children[:4])
+    assert whole["partial_rounds"] == {} and gpu_engine.rounds_done(whole, 3) == (
+        "rounds done: 2 of 3 (round 0, the warm-up, left out)")
