@@ -7,6 +7,9 @@
 #   bash benchmarks/gpu_device.sh capture             # no vLLM needed (the image's torch; slotroute's own
 #                                                     # dependencies from the kit's first part, p00): the
 #                                                     # capture GPU tests and benchmarks/gpu_capture.py (JSON to $OUT)
+#   bash benchmarks/gpu_device.sh capture-paths       # no vLLM needed either: benchmarks/gpu_capture_paths.py, the
+#                                                     # per-layer capture copy against ways of taking it out of a
+#                                                     # decode step's CUDA graph (JSON to $OUT)
 #   bash benchmarks/gpu_device.sh tests               # capture tests, the engine tests on V2 (with the
 #                                                     # differential against vLLM's own path), then on V1
 #   bash benchmarks/gpu_device.sh tests v2|v1|capture # one part of that
@@ -36,11 +39,15 @@ export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 VLLM_USE_FLASHINFER_SAMPLER=
 # none of the call's output open, and stop_copying stops its sleep too.
 copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
 stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
-case ${1:?install, capture, tests, bench, offload, pytest, vllm or cache} in
+case ${1:?install, capture, capture-paths, tests, bench, offload, pytest, vllm or cache} in
 capture)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
   PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_capture.py --out $OUT/gpu_capture.json 2>&1 | tee $OUT/gpu_capture.log | tail -16
+  ;;
+capture-paths)
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_capture_paths.py --out $OUT/gpu_capture_paths.json 2>&1 | tee $OUT/gpu_capture_paths.log | tail -12
   ;;
 cache)
   dirs="root/.cache/vllm tmp/torchinductor_root root/.triton/cache"
