@@ -15,6 +15,8 @@ graph per step size and replayed, the device time per step of each way of captur
   ``torch._foreach_copy_`` into a layer-major buffer ``(layers, tokens, top_k)``;
 - ``cat``: held, then one ``torch.cat`` into the step's rows, layer-major and packed
   for the step's token count;
+- ``stack``: held, then one ``torch.stack`` along the layer dimension straight into the
+  token-major buffer (the capturer's layout unchanged);
 - ``forked``: the per-layer copy on a side stream forked from the forward's stream
   when the router ran and joined after the last layer, off the forward's critical path.
 
@@ -39,7 +41,7 @@ from slotroute.tools import cuda_graph
 
 LAYERS, TOP_K, EXPERTS, HIDDEN, EXPERT_WIDTH = 48, 8, 128, 2048, 8 * 768
 SIZES = (16, 64, 256, 512)
-PATHS = ("none", "per-layer", "foreach", "cat", "forked")
+PATHS = ("none", "per-layer", "foreach", "cat", "stack", "forked")
 BUSY_CYCLES = 2_000_000  # queued before each timed replay, so the replay is enqueued before its start event fires
 
 
@@ -58,7 +60,7 @@ class Step:
     def capture(self, layer: int, ids: torch.Tensor) -> None:
         if self.path == "per-layer":
             self.token_major[:, layer].copy_(ids)
-        elif self.path in ("foreach", "cat"):
+        elif self.path in ("foreach", "cat", "stack"):
             self.held.append(ids)
         elif self.path == "forked":
             self.side.wait_stream(torch.cuda.current_stream())
@@ -71,6 +73,8 @@ class Step:
             torch._foreach_copy_([self.layer_major[layer] for layer in range(LAYERS)], self.held)
         elif self.path == "cat":
             torch.cat(self.held, dim=0, out=self.layer_major.view(LAYERS * self.n, TOP_K))
+        elif self.path == "stack":
+            torch.stack(self.held, dim=1, out=self.token_major)
         elif self.path == "forked":
             torch.cuda.current_stream().wait_stream(self.side)
         self.held = []

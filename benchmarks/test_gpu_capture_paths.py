@@ -27,7 +27,7 @@ def small(monkeypatch):
     return weights, torch.randn(5, 64, **bf16)
 
 
-@pytest.mark.parametrize("path", ["foreach", "cat"])
+@pytest.mark.parametrize("path", ["foreach", "cat", "stack"])
 def test_a_step_captured_once_at_its_end_holds_the_per_layer_copys_rows(small, path):
     weights, x = small
     reference = paths.Step("per-layer", 5, weights, x)
