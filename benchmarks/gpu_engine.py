@@ -47,7 +47,9 @@ off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotrout
 its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) instead of
 committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's rows all
 read when it finishes, none of its prompt's read ahead while it decodes
-(``SLOTROUTE_READ_AT_FINISH=1``); each compared with slotroute in the same rounds.
+(``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-copy-once``: the worker's capture
+writing a step's routing with one copy after the last MoE layer
+(``SLOTROUTE_CAPTURE_COPY_ONCE=1``); each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session).
 
@@ -75,13 +77,16 @@ CONFIGS = ("off", "vllm", "slotroute")
 # Run only when named in --configs: slotroute with its store paged in as steps write it
 # (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
 # at start; and slotroute reading each request's rows only when it finishes
-# (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish")
+# (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
+# and slotroute writing a step's routing with one copy after the last MoE layer
+# (``SLOTROUTE_CAPTURE_COPY_ONCE=1``), measured against slotroute's copy per layer.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-copy-once")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
-              "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"}}
+              "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
+              "slotroute-copy-once": {"SLOTROUTE_CAPTURE_COPY_ONCE": "1"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -693,7 +698,8 @@ ADDED = ("vllm", "slotroute")
 RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
-               ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None))
+               ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
+               ("slotroute", "slotroute-copy-once", None))
 
 
 def rounds_of(children: list[dict]) -> tuple[list[int], dict[int, list[str]]]:

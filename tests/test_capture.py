@@ -537,6 +537,101 @@ def test_a_clear_refills_the_largest_eager_step_since_the_last_one_and_all_once_
     assert cleared_rows(cap) == MAX_TOKENS
 
 
+# --- one copy a step (copy_once, NOTE 5) -----------------------------------------
+
+DENSE_SPEC = RoutingSpec(num_layers=5, top_k=2, num_experts=16)
+ROUTERS = (0, 2, 3)  # layers 1 and 4 are dense
+
+
+@pytest.fixture
+def once():
+    return RoutedExpertsCapturer(DENSE_SPEC, max_num_tokens=MAX_TOKENS, device="cpu", dense_layers=(1, 4), copy_once=True)
+
+
+@pytest.fixture
+def stacks(monkeypatch):
+    """The torch.stack calls made from here on."""
+    calls = []
+    stack = torch.stack
+
+    def counted(*args, **kwargs):
+        calls.append(len(args[0]))
+        return stack(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "stack", counted)
+    return calls
+
+
+def with_dense_zeros(ref):
+    expected = ref.copy()
+    expected[:, [1, 4]] = 0
+    return expected
+
+
+def capture_routers(cap, ref, layers=ROUTERS, dtype=torch.int32):
+    for layer in layers:
+        cap.capture(layer, torch.from_numpy(np.ascontiguousarray(ref[:, layer])).to(dtype))
+
+
+def test_one_copy_a_step_writes_every_layer_once_the_last_router_captured(once, rng, stacks):
+    ref = routing(rng, 7, DENSE_SPEC)
+    capture_routers(once, ref, ROUTERS[:-1])
+    assert (captured(once, MAX_TOKENS) == NOT_CAPTURED)[:, list(ROUTERS)].all() and stacks == []
+    capture_routers(once, ref, ROUTERS[-1:])
+    assert stacks == [DENSE_SPEC.num_layers]  # one stack of every layer, the dense ones from zeros
+    np.testing.assert_array_equal(captured(once, 7), with_dense_zeros(ref))
+    assert (captured(once, MAX_TOKENS)[7:] != with_dense_zeros(ref)[:1]).any()
+    lists = once.snapshot(7, np.arange(7)).result()
+    np.testing.assert_array_equal(lists.routing_data, with_dense_zeros(ref))
+
+
+def test_one_copy_a_step_returns_what_a_copy_per_layer_returns_over_random_steps_and_layouts(rng):
+    per_layer = RoutedExpertsCapturer(DENSE_SPEC, max_num_tokens=MAX_TOKENS, device="cpu", dense_layers=(1, 4))
+    once = RoutedExpertsCapturer(DENSE_SPEC, max_num_tokens=MAX_TOKENS, device="cpu", dense_layers=(1, 4),
+                                 copy_once=True)
+    for step in range(40):
+        dp = BatchLayout(num_tokens_across_dp=(3, int(rng.integers(1, 20)), 4), dp_rank=1) if step % 3 == 0 else None
+        rows = sum(dp.num_tokens_across_dp) if dp is not None else int(rng.integers(0, MAX_TOKENS + 1))
+        ref = routing(rng, rows, DENSE_SPEC)
+        dtype = torch.int64 if step % 4 == 1 else torch.int32  # int64: a copy per layer instead of the stack
+        results = []
+        for cap in (per_layer, once):
+            counts = [cap.capture(layer, torch.from_numpy(np.ascontiguousarray(ref[:, layer])).to(dtype), dp)
+                      for layer in ROUTERS]
+            n = counts[0]
+            results.append(cap.snapshot(n, np.arange(n), clear=True).result().routing_data)
+        np.testing.assert_array_equal(results[1], results[0], err_msg=f"step {step}")
+        assert results[1].shape[0] == (dp.num_tokens_across_dp[1] if dp is not None else rows)
+
+
+def test_a_forward_that_starts_before_the_last_router_captured_drops_what_the_one_before_held(once, rng, stacks):
+    first, second = routing(rng, 6, DENSE_SPEC), routing(rng, 6, DENSE_SPEC)
+    capture_routers(once, first, ROUTERS[:-1])  # a forward that never reached its last router
+    with pytest.raises(ValueError, match="top_k"):
+        once.capture(0, torch.zeros((6, 3), dtype=torch.int32))  # refused: holds nothing, drops nothing
+    capture_routers(once, second)
+    assert stacks == [DENSE_SPEC.num_layers]
+    np.testing.assert_array_equal(once.snapshot(6, np.arange(6)).result().routing_data, with_dense_zeros(second))
+
+
+def test_a_snapshot_writes_what_is_held_and_reports_the_router_that_never_captured(once, rng):
+    ref = routing(rng, 5, DENSE_SPEC)
+    capture_routers(once, ref, ROUTERS[:-1])
+    with pytest.raises(ValueError, match=rf"{5 * DENSE_SPEC.top_k} expert id.*layer {ROUTERS[-1]}.*no capture\(\) wrote"):
+        once.snapshot(5, np.arange(5)).result()
+    np.testing.assert_array_equal(captured(once, 5)[:, list(ROUTERS[:-1])], ref[:, list(ROUTERS[:-1])])
+
+
+def test_a_clear_drops_the_ids_held_before_it(once, rng):
+    ref = routing(rng, 4, DENSE_SPEC)
+    capture_routers(once, ref, ROUTERS[:-1])
+    once.clear_buffer()  # a forward no snapshot follows (a dummy run)
+    capture_routers(once, ref, ROUTERS[-1:])
+    with pytest.raises(ValueError, match="no capture"):
+        once.snapshot(4, np.arange(4)).result()
+    np.testing.assert_array_equal(captured(once, 4)[:, ROUTERS[-1]], ref[:, ROUTERS[-1]])
+
+
 # --- the fused kernel ---------------------------------------------------------------
 
 

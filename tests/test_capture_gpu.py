@@ -87,6 +87,56 @@ def test_capture_recorded_in_a_cuda_graph_writes_each_replays_routing():
         assert (buffer[n:] == poison).all(), f"replay {step} wrote past its {n} tokens"
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_one_copy_a_step_recorded_in_cuda_graphs_writes_each_replays_routing(pieces):
+    """NOTE 5 of ``RoutedExpertsCapturer.__init__``: with ``copy_once`` each layer's ids
+    are held and the last router layer's capture writes them all with one stack. Recorded
+    as vLLM records a forward: an eager warm-up forward, then the forward in one graph
+    (a full graph) or in one graph per group of layers sharing one memory pool
+    (piecewise graphs, the stack recorded in the last), with allocations between the
+    layers that the pool could hand a held tensor's memory to. Every replay then writes
+    its own routing, dense layers 0, and nothing past its tokens."""
+    spec, n = RoutingSpec(num_layers=8, top_k=4, num_experts=64), 300
+    cap = RoutedExpertsCapturer(spec, max_num_tokens=512, device="cuda", dense_layers=[2], copy_once=True)
+    logits = torch.randn(n, spec.num_experts, device="cuda")
+    bias = torch.randn(spec.num_layers, spec.num_experts, device="cuda")
+    routers = [layer for layer in range(spec.num_layers) if layer != 2]
+    groups = [routers] if pieces == 1 else [routers[:2], routers[2:5], routers[5:]]
+
+    def piece(layers):
+        for layer in layers:
+            scratch = (logits * (layer + 1)).tanh()  # a forward's allocations between routers
+            ids = torch.topk(logits + bias[layer] + scratch[:, :1] * 0, spec.top_k, dim=-1).indices.int()
+            cap.capture(layer, ids)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up forward, eager
+        for layers in groups:
+            piece(layers)
+    torch.cuda.current_stream().wait_stream(side)
+    pool, graphs = torch.cuda.graph_pool_handle(), []
+    for layers in groups:  # the recorded forward
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            piece(layers)
+        graphs.append(graph)
+    assert cap._held == []
+
+    for step, poison in enumerate([NOT_CAPTURED, 7, spec.num_experts - 1, 123456]):
+        logits.copy_(torch.randn(n, spec.num_experts, device="cuda"))
+        cap.get_device_buffer().fill_(poison)
+        for graph in graphs:
+            graph.replay()
+        expected = torch.stack(
+            [torch.topk(logits + bias[layer], spec.top_k, dim=-1).indices for layer in range(spec.num_layers)], dim=1
+        ).int()
+        expected[:, 2] = 0
+        buffer = cap.get_device_buffer().cpu()
+        assert torch.equal(buffer[:n], expected.cpu()), f"replay {step}"
+        assert (buffer[n:] == poison).all(), f"replay {step} wrote past its {n} tokens"
+
+
 def test_a_snapshots_clear_refills_every_row_a_graph_replay_wrote_past_the_steps_tokens(narrowing):
     """NOTE 4 of ``RoutedExpertsCapturer.__init__``: a clear refills the rows written
     since the last one, a recorded graph's rows among them though its replays run no

@@ -280,6 +280,24 @@ def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model
             assert_same_completion(got, reference(prompt, 7))
 
 
+def test_one_capture_copy_a_step_returns_the_routing_of_a_run_without_caching(tiny_model, reference, monkeypatch):
+    """``SLOTROUTE_CAPTURE_COPY_ONCE=1``: the worker's capturer holds each router's ids and
+    writes the step's rows once, after the last MoE layer (NOTE 5 of
+    ``RoutedExpertsCapturer``); prefix-cache hits, chunked prefill and decode steps return
+    the lone run's routing."""
+    monkeypatch.setenv("SLOTROUTE_CAPTURE_COPY_ONCE", "1")
+    for once in engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=96):
+        capturer = capturer_of(once)
+        assert capturer._copy_once and tuple(capturer._routers) == MOE_LAYERS
+        shared = prompt_tokens(56, 150)
+        prompts = [shared + prompt_tokens(57, 30), prompt_tokens(58, 2 * TOKEN_BUDGET + 9), shared + prompt_tokens(59, 20)]
+        generate(once, [prompts[0]], greedy(4))
+        got = generate(once, prompts, greedy(6))
+        assert got[2].num_cached_tokens >= 96, got[2].num_cached_tokens
+        for g, prompt in zip(got, prompts):
+            assert_same_completion(g, reference(prompt, 6))
+
+
 def test_engine_without_routed_experts_runs_unchanged_under_the_plugin(tiny_model, reference):
     for plain in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64,
                         enable_return_routed_experts=False):
@@ -400,12 +418,17 @@ class LogLines(logging.Handler):
         self.logger.removeHandler(self)
 
 
+def capturer_of(llm):
+    """The in-process worker's capturer."""
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    return runner.__dict__["_slotroute_routing"].capturer
+
+
 @contextmanager
 def one_bad_expert_id(llm):
     """The next step's capture of the last MoE layer gets an expert id out of range at
     token 2 (the worker's check then fails that step)."""
-    engine_core = llm.llm_engine.engine_core.engine_core
-    capturer = engine_core.model_executor.driver_worker.worker.model_runner.__dict__["_slotroute_routing"].capturer
+    capturer = capturer_of(llm)
     capture, armed = capturer.capture, [True]
 
     def capture_one_bad_id(layer_id, topk_ids, **kwargs):

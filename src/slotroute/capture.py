@@ -627,6 +627,10 @@ class RoutedExpertsCapturer:
         Whether a CUDA snapshot's kernel writes its bytes straight into pinned host
         memory (the default, where the driver maps it: no copy per step) or stages
         them on the device for one device-to-host copy (NOTE 3 of ``_snapshot_async``).
+    copy_once
+        Whether :meth:`capture` holds each layer's ids and the capture of the last
+        router layer (the last layer not in ``dense_layers``) writes every layer's rows
+        with one kernel, instead of one copy per layer (NOTE 5). Off by default.
 
     Raises
     ------
@@ -644,6 +648,7 @@ class RoutedExpertsCapturer:
         dense_layers: Sequence[int] = (),
         ring_depth: int = 3,
         host_writes: bool = True,
+        copy_once: bool = False,
     ):
         if isinstance(max_num_tokens, bool) or int(max_num_tokens) != max_num_tokens or max_num_tokens <= 0:
             raise ValueError(f"max_num_tokens must be a positive int, got {max_num_tokens!r}")
@@ -680,6 +685,25 @@ class RoutedExpertsCapturer:
         self._capturing = torch.cuda.is_current_stream_capturing if self._device.type == "cuda" else bool
         # One view per layer, made once: capture() then slices a single dimension.
         self._layer_rows = tuple(self._buffer[:, layer] for layer in range(spec.num_layers))
+        # NOTE 5: with copy_once, capture() keeps each router layer's ids (`_held`, in
+        # layer order) and the last router layer's capture writes all of them with one
+        # torch.stack along the layer dimension into the buffer's first rows, a
+        # contiguous block (dense layers from a zero block, the 0 they hold anyway):
+        # one kernel a step where a copy per layer is one kernel per MoE layer, which
+        # inside a decode step's CUDA graph is most of what routing adds to the device.
+        # The held tensors stay referenced until that stack is enqueued, so a CUDA
+        # graph's memory pool hands their memory to no later allocation of the same
+        # capture, piecewise graphs' pieces included; a replay then writes each layer's
+        # ids where the recorded stack reads them. A forward that starts before the
+        # last router layer's capture of the one before drops what that one held: its
+        # rows stay NOT_CAPTURED and the snapshot's check reports them, never another
+        # step's ids. A snapshot writes what is still held first.
+        self._copy_once = bool(copy_once)
+        self._held: list[tuple[int, torch.Tensor]] = []
+        self._routers = [layer for layer in range(spec.num_layers) if layer not in set(dense)]
+        self._last_router = self._routers[-1] if self._routers else -1
+        self._dense_rows = (torch.zeros((self._max_num_tokens, spec.top_k), dtype=torch.int32, device=device)
+                            if self._copy_once and dense else None)
         self._flat = self._buffer.view(-1)  # the snapshot kernel's view, made once
         # NOTE 3: a CPU snapshot reads the buffer through this numpy view of the same
         # memory: inside an engine step a numpy slice handed to one C call measured
@@ -772,7 +796,9 @@ class RoutedExpertsCapturer:
         A snapshot of rows some layer did not write afterwards fails its range check,
         so calling this before a step turns a missed capture into an error; on CUDA a
         snapshot with ``clear=True`` does the same for the next step in its own kernel.
+        Ids held for one copy (``copy_once``, NOTE 5) are dropped.
         """
+        self._held = []
         self._refill(self._max_num_tokens)
 
     def _refill(self, rows: int) -> None:
@@ -840,8 +866,34 @@ class RoutedExpertsCapturer:
             self._written = count
         if count > self._graph_rows and self._capturing():
             self._graph_rows = count
-        self._layer_rows[layer_id][:count].copy_(topk_ids)
+        if not self._copy_once:
+            self._layer_rows[layer_id][:count].copy_(topk_ids)
+            return count
+        if self._held and layer_id <= self._held[-1][0]:  # a new forward: NOTE 5
+            self._held = []
+        self._held.append((layer_id, topk_ids))
+        if layer_id == self._last_router:
+            self._write_held()
         return count
+
+    def _write_held(self) -> None:
+        """Write the rows :meth:`capture` held (NOTE 5) into the buffer and let them go:
+        one stack where every router layer is held with the same rows, contiguous
+        int32, else a copy per held layer."""
+        held, self._held = self._held, []
+        if not held:
+            return
+        count = held[0][1].shape[0]
+        if [layer for layer, _ in held] == self._routers and all(
+            ids.shape[0] == count and ids.dtype == torch.int32 and ids.is_contiguous() for _, ids in held
+        ):
+            by_layer = dict(held)
+            zeros = None if self._dense_rows is None else self._dense_rows[:count]
+            rows = [by_layer.get(layer, zeros) for layer in range(self._spec.num_layers)]
+            torch.stack(rows, dim=1, out=self._buffer[:count])
+            return
+        for layer, ids in held:
+            self._layer_rows[layer][: ids.shape[0]].copy_(ids)
 
     def _all_gather(self, shard: torch.Tensor, tp_size: int) -> torch.Tensor:
         if self._tp_group is None or self._tp_world != tp_size:
@@ -930,6 +982,8 @@ class RoutedExpertsCapturer:
             dtype_ok = dtype.kind in "iu"
         if shape != (n,) or not dtype_ok:
             raise ValueError(f"slot_mapping must be integers of shape ({n},) (num_tokens), got {dtype} of shape {shape}")
+        if self._held:  # NOTE 5
+            self._write_held()
         if self._tp_rank != 0:
             if clear:
                 self._refill(self._rows_to_clear())
@@ -971,11 +1025,15 @@ class RoutedExpertsCapturer:
                 shape, stride = slots.shape, slots.stride()
                 if row is None:
                     if len(shape) == 1 and shape[0] >= num_tokens and stride[0] == 1:
+                        if self._held:  # NOTE 5
+                            self._write_held()
                         return self._snapshot_async(num_tokens, slots, None, True, defer_copy, dtype=dtype)
                 elif (
                     type(row) is int and len(shape) == 2 and 0 <= row < shape[0]
                     and shape[1] >= num_tokens and stride[1] == 1
                 ):
+                    if self._held:  # NOTE 5
+                        self._write_held()
                     return self._snapshot_async(
                         num_tokens, slots, None, True, defer_copy, row * stride[0] * dtype.itemsize, dtype, row
                     )

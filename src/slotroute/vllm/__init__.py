@@ -23,6 +23,10 @@ Environment:
     The scheduler's store is paged in as steps first write each page, instead of
     being committed when the engine starts (its whole capacity, ``routed_experts``
     bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
+``SLOTROUTE_CAPTURE_COPY_ONCE=1``
+    The worker writes a step's routing into its capture buffer with one kernel after
+    the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
+    ``RoutedExpertsCapturer``). Not yet measured on a GPU, so off by default.
 
 Importing this package does not import vLLM; :func:`register` does.
 """
@@ -34,7 +38,7 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
+__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
            "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
@@ -48,6 +52,9 @@ LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 # Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
 # prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
 READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
+# Set to 1: the worker's capture writes a step's rows with one kernel after the last MoE
+# layer (NOTE 5 of ``RoutedExpertsCapturer``), not one copy per MoE layer.
+COPY_ONCE_ENV = "SLOTROUTE_CAPTURE_COPY_ONCE"
 MODES = ("slotroute", "cpu-capture-only")
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
-from slotroute.vllm import LOGGER_NAME
+from slotroute.vllm import COPY_ONCE_ENV, LOGGER_NAME
 from slotroute.vllm.routing import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists, StepFailure
 
@@ -107,6 +108,7 @@ class WorkerRouting:
         self.capturer = RoutedExpertsCapturer(
             spec, config.scheduler_config.max_num_batched_tokens, device, tp_group=group, dense_layers=dense,
             ring_depth=getattr(config, "max_concurrent_batches", 2) + 1,
+            copy_once=os.environ.get(COPY_ONCE_ENV) == "1",
         )
         # The full-attention KV cache group: its slots key the scheduler's store.
         self.attn_gid = attention_gid(kv_cache_config)
@@ -126,7 +128,8 @@ class WorkerRouting:
         # Whether a forward ran since the buffer was last cleared (NOTE 1).
         self._dirty = False
         logger.info(
-            "slotroute: capturing %s on %s (dense layers %s report 0)", spec, self.capturer.device, dense or "none"
+            "slotroute: capturing %s on %s (dense layers %s report 0%s)", spec, self.capturer.device, dense or "none",
+            "; one copy a step after the last MoE layer" if os.environ.get(COPY_ONCE_ENV) == "1" else ""
         )
 
     def keep_results(self) -> int:
