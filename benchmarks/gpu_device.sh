@@ -78,9 +78,11 @@ tests)
     python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
   fi
   if [ "$part" = all ] || [ "$part" = v2 ]; then
-    python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py tests/test_vllm_gpu_differential.py \
-      > $OUT/vllm_gpu_v2.log 2>&1
+    # the engine tests, then the differential (its engines start cold: a call's limit may cut it), each with its total
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v2.log 2>&1
     echo "V2 rc=$?"; grep -E "RESULT|passed|failed|FAILED|Error" $OUT/vllm_gpu_v2.log | tail -15
+    python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu_differential.py > $OUT/vllm_gpu_v2_differential.log 2>&1
+    echo "V2 differential rc=$?"; grep -E "RESULT|passed|failed|FAILED|Error" $OUT/vllm_gpu_v2_differential.log | tail -8
   fi
   if [ "$part" = all ] || [ "$part" = v1 ]; then
     VLLM_USE_V2_MODEL_RUNNER=0 python3 -m pytest -q -s -p no:cacheprovider tests/test_vllm_gpu.py > $OUT/vllm_gpu_v1.log 2>&1
