@@ -837,7 +837,8 @@ class RoutedExpertsCapturer:
             the buffer's device, its row count fits no layout, or this rank's tokens
             exceed ``max_num_tokens``. Nothing is written then.
         """
-        # Bounded by one copy kernel launch (eager) or by Python overhead under a graph.
+        # Bounded by one copy kernel launch (eager) or by Python overhead under a graph;
+        # with copy_once, by a list append, and one stack launch at the last router layer.
         spec = self._spec
         if not 0 <= layer_id < spec.num_layers:
             raise IndexError(f"layer_id must be in [0, {spec.num_layers}) (num_layers), got {layer_id}")
