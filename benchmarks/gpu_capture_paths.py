@@ -37,12 +37,12 @@ import sys
 
 import torch
 
+from gpu_capture import event_median_us
 from slotroute.tools import cuda_graph
 
 LAYERS, TOP_K, EXPERTS, HIDDEN, EXPERT_WIDTH = 48, 8, 128, 2048, 8 * 768
 SIZES = (16, 64, 256, 512)
 PATHS = ("none", "per-layer", "foreach", "cat", "stack", "forked")
-BUSY_CYCLES = 2_000_000  # queued before each timed replay, so the replay is enqueued before its start event fires
 
 
 class Step:
@@ -95,20 +95,6 @@ class Step:
         return self.token_major
 
 
-def replay_median_us(graph: torch.cuda.CUDAGraph, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(BUSY_CYCLES)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0)
-    return statistics.median(times)
-
-
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -151,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         order = list(graphs)
         for r in range(args.rounds):
             for path in order[r % len(order):] + order[:r % len(order)]:
-                by_round[path].append(replay_median_us(graphs[path], args.repeat))
+                by_round[path].append(event_median_us(graphs[path].replay, args.repeat))
         row = {"n": n, "us_per_step": {p: spread(v) for p, v in by_round.items()}, "rows_equal_per_layer": equal,
                "errors": errors}
         base = row["us_per_step"]["none"]["median"]

@@ -700,7 +700,7 @@ class RoutedExpertsCapturer:
         # step's ids. A snapshot writes what is still held first.
         self._copy_once = bool(copy_once)
         self._held: list[tuple[int, torch.Tensor]] = []
-        self._routers = [layer for layer in range(spec.num_layers) if layer not in set(dense)]
+        self._routers = [layer for layer in range(spec.num_layers) if layer not in dense]
         self._last_router = self._routers[-1] if self._routers else -1
         self._dense_rows = (torch.zeros((self._max_num_tokens, spec.top_k), dtype=torch.int32, device=device)
                             if self._copy_once and dense else None)

@@ -102,13 +102,13 @@ class WorkerRouting:
         group = get_tp_group().device_group if self.tp_size > 1 else None
         moe = moe_layer_ids(model)
         dense = [layer for layer in range(spec.num_layers) if layer not in moe]
+        copy_once = os.environ.get(COPY_ONCE_ENV) == "1"
         # A ring slot per step the runner keeps in flight, and one more: vLLM resolves a
         # step's output before it starts the step max_concurrent_batches later, so each
         # snapshot finds its slot free (NOTE 1 of RoutedExpertsCapturer has the rest).
         self.capturer = RoutedExpertsCapturer(
             spec, config.scheduler_config.max_num_batched_tokens, device, tp_group=group, dense_layers=dense,
-            ring_depth=getattr(config, "max_concurrent_batches", 2) + 1,
-            copy_once=os.environ.get(COPY_ONCE_ENV) == "1",
+            ring_depth=getattr(config, "max_concurrent_batches", 2) + 1, copy_once=copy_once,
         )
         # The full-attention KV cache group: its slots key the scheduler's store.
         self.attn_gid = attention_gid(kv_cache_config)
@@ -129,7 +129,7 @@ class WorkerRouting:
         self._dirty = False
         logger.info(
             "slotroute: capturing %s on %s (dense layers %s report 0%s)", spec, self.capturer.device, dense or "none",
-            "; one copy a step after the last MoE layer" if os.environ.get(COPY_ONCE_ENV) == "1" else ""
+            "; one copy a step after the last MoE layer" if copy_once else ""
         )
 
     def keep_results(self) -> int:
