@@ -47,9 +47,9 @@ off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotrout
 its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) instead of
 committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's rows all
 read when it finishes, none of its prompt's read ahead while it decodes
-(``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-copy-once``: the worker's capture
-writing a step's routing with one copy after the last MoE layer
-(``SLOTROUTE_CAPTURE_COPY_ONCE=1``); each compared with slotroute in the same rounds.
+(``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-per-layer``: the worker's capture
+copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
+instead of once after the last MoE layer; each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session).
 
@@ -78,15 +78,15 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
 # at start; and slotroute reading each request's rows only when it finishes
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
-# and slotroute writing a step's routing with one copy after the last MoE layer
-# (``SLOTROUTE_CAPTURE_COPY_ONCE=1``), measured against slotroute's copy per layer.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-copy-once")
+# and slotroute copying each MoE layer's routing as its router runs
+# (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
-              "slotroute-copy-once": {"SLOTROUTE_CAPTURE_COPY_ONCE": "1"}}
+              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -699,7 +699,7 @@ RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
-               ("slotroute", "slotroute-copy-once", None))
+               ("slotroute", "slotroute-per-layer", None))
 
 
 def rounds_of(children: list[dict]) -> tuple[list[int], dict[int, list[str]]]:
@@ -854,7 +854,8 @@ def rounds_done(summary: dict, planned: int) -> str:
     """The report's count of whole rounds, naming each partial round left out."""
     text = f"rounds done: {len(summary['rounds'])} of {planned} (round 0, the warm-up, left out"
     for r, configs in summary["partial_rounds"].items():
-        text += f"; round {r} left out, its figures only from {', '.join(configs) or 'no configuration'}"
+        text += (f"; round {r} left out, its figures only from {', '.join(configs)}" if configs
+                 else f"; round {r} has no figures yet")
     return text + ")"
 
 

@@ -136,7 +136,7 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
 
 
-@pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish", "slotroute-copy-once"])
+@pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer"])
 def test_each_slotroute_variant_is_compared_with_slotroute_in_the_same_rounds_and_nothing_claimed(variant):
     children = [child(r, c, v) for r, c, v in [(1, "slotroute", 103), (1, variant, 100),
                                                (2, variant, 81), (2, "slotroute", 82)]]
@@ -160,14 +160,14 @@ def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
         PATH="/bin", SLOTROUTE_READ_AT_FINISH="1")
     assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_READ_AT_FINISH="1")) == dict(
         PATH="/bin")
-    assert gpu_engine.child_environment("slotroute-copy-once", inherited) == dict(
-        PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="1")
-    assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="1")) == dict(
+    assert gpu_engine.child_environment("slotroute-per-layer", inherited) == dict(
+        PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="0")
+    assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="0")) == dict(
         PATH="/bin")
     assert inherited["SLOTROUTE_LAZY_STORE"] == "1"  # the parent's environment is left as it was
 
 
-KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish, slotroute-copy-once",
+KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish, slotroute-per-layer",
          "--workloads": "rollout, multi-turn, multi-turn-start"}
 
 
@@ -511,3 +511,7 @@ def test_a_round_that_lacks_some_configurations_figures_is_left_out_of_every_med
     whole = gpu_engine.summarize(children[:4])
     assert whole["partial_rounds"] == {} and gpu_engine.rounds_done(whole, 3) == (
         "rounds done: 2 of 3 (round 0, the warm-up, left out)")
+    # a round none of whose children has run yet is named as such, not as a partial one
+    waiting = gpu_engine.summarize(children[:4] + [dict(round=3, config="off"), dict(round=3, config="slotroute")])
+    assert waiting["partial_rounds"] == {3: []} and gpu_engine.rounds_done(waiting, 3) == (
+        "rounds done: 2 of 3 (round 0, the warm-up, left out; round 3 has no figures yet)")

@@ -74,6 +74,10 @@ if not extra.get("disable_log_stats", True):
     found["drafts"] = np.array([totals[name] for name in names])
 runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 found["rows_rejected"] = np.array(getattr(getattr(runner, "aux_output_connector", None), "rows_rejected", -1))
+# slotroute's worker routing: the V1 runner's, V2's connector's (0.31+) or V2's capturer's (0.28-0.30)
+routing = (runner.__dict__.get("_slotroute_routing") or getattr(getattr(runner, "aux_output_connector", None), "routing", None)
+           or getattr(getattr(runner, "routed_experts_capturer", None), "routing", None))
+found["copy_once"] = np.array(-1 if routing is None else int(routing.capturer._copy_once))  # 1: one copy a step
 np.savez(out, **found)
 print("CHILD DONE")
 """ % GENERATED
@@ -108,6 +112,11 @@ def assert_equal_runs(ours: dict, own: dict, prompts: list) -> int:
     return hits
 
 
+def capture_mode(ours: dict) -> str:
+    """How slotroute's worker copied the routing in its run (SLOTROUTE_CAPTURE_COPY_ONCE)."""
+    return {1: "one copy a step", 0: "a copy per MoE layer"}.get(int(ours["copy_once"]), "worker routing not found")
+
+
 def moe_rows(routed: np.ndarray) -> np.ndarray:
     """The MoE layers' rows as sets of experts (sorted ids, int64), whichever way a
     path numbers the layers: slotroute keeps every decoder layer (dense ones zero),
@@ -125,7 +134,8 @@ def test_slotroute_returns_vllms_own_rows_and_tokens_with_and_without_cache_hits
     # The second round hits the prefix cache for every prompt; the first, for the
     # prompts after the first that share its prefix.
     assert hits >= len(PROMPTS) + 1
-    print(f"RESULT {dtype}: {2 * len(PROMPTS)} requests, {hits} with prefix-cache hits, every token and row equal")
+    print(f"RESULT {dtype}: {2 * len(PROMPTS)} requests, {hits} with prefix-cache hits, every token and row equal; "
+          f"capture: {capture_mode(ours)}")
 
 
 def test_ngram_speculation_returns_vllms_own_rows_only_for_accepted_tokens(tiny_model, tmp_path):
@@ -143,5 +153,5 @@ def test_ngram_speculation_returns_vllms_own_rows_only_for_accepted_tokens(tiny_
     hits = assert_equal_runs(ours, own, SPEC_PROMPTS)
     assert hits >= len(SPEC_PROMPTS)
     print(f"RESULT ngram float32: {2 * len(SPEC_PROMPTS)} requests, {hits} with prefix-cache hits, "
-          f"{drafted} draft tokens, {accepted} accepted, every token and row equal")
+          f"{drafted} draft tokens, {accepted} accepted, every token and row equal; capture: {capture_mode(ours)}")
 

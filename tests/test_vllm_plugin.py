@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import connector_generation, probe, prompt_tokens
 
-from slotroute.vllm import unsupported_reason
+from slotroute.vllm import capture_copy_once, unsupported_reason
 
 pytestmark = pytest.mark.vllm
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
@@ -30,6 +30,20 @@ def test_supported_versions_have_no_refusal(version):
 def test_other_versions_are_refused(version):
     reason = unsupported_reason(version)
     assert "supports" in reason and "0.28.x, 0.29.x, 0.30.x, 0.31.x, 0.32.x, 0.33.x" in reason
+
+
+@pytest.mark.parametrize(("device_type", "setting", "once"), [
+    ("cuda", None, True), ("cuda", "", True), ("cuda", "0", False), ("cuda", "1", True),
+    ("cpu", None, False), ("cpu", " ", False), ("cpu", "0", False), ("cpu", "1", True),
+])
+def test_one_capture_copy_a_step_is_the_default_on_cuda_only_and_the_variable_overrides_it(device_type, setting, once):
+    assert capture_copy_once(device_type, setting) is once
+
+
+@pytest.mark.parametrize("setting", ["yes", "2", "true"])
+def test_a_capture_copy_setting_other_than_0_or_1_is_refused_naming_the_variable(setting):
+    with pytest.raises(ValueError, match="SLOTROUTE_CAPTURE_COPY_ONCE must be 0, 1 or unset"):
+        capture_copy_once("cuda", setting)
 
 
 def test_unsupported_vllm_is_left_unpatched_with_one_log_line():

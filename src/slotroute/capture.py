@@ -630,7 +630,9 @@ class RoutedExpertsCapturer:
     copy_once
         Whether :meth:`capture` holds each layer's ids and the capture of the last
         router layer (the last layer not in ``dense_layers``) writes every layer's rows
-        with one kernel, instead of one copy per layer (NOTE 5). Off by default.
+        with one kernel, instead of one copy per layer (NOTE 5). Off by default here;
+        the vLLM plugin's worker turns it on for a CUDA device
+        (``slotroute.vllm.capture_copy_once``).
 
     Raises
     ------

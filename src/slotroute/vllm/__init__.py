@@ -23,10 +23,12 @@ Environment:
     The scheduler's store is paged in as steps first write each page, instead of
     being committed when the engine starts (its whole capacity, ``routed_experts``
     bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
-``SLOTROUTE_CAPTURE_COPY_ONCE=1``
-    The worker writes a step's routing into its capture buffer with one kernel after
-    the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
-    ``RoutedExpertsCapturer``). Not yet measured on a GPU, so off by default.
+``SLOTROUTE_CAPTURE_COPY_ONCE``
+    ``1``: the worker writes a step's routing into its capture buffer with one kernel
+    after the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
+    ``RoutedExpertsCapturer``); ``0``: one copy per MoE layer. Unset: one copy a step
+    on a CUDA device, where each copy is a kernel in the step's graph; one per layer
+    on the CPU, where each is a memcpy.
 
 Importing this package does not import vLLM; :func:`register` does.
 """
@@ -38,7 +40,7 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
+__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "capture_copy_once", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
            "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
@@ -52,8 +54,9 @@ LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 # Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
 # prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
 READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
-# Set to 1: the worker's capture writes a step's rows with one kernel after the last MoE
-# layer (NOTE 5 of ``RoutedExpertsCapturer``), not one copy per MoE layer.
+# 1: the worker's capture writes a step's rows with one kernel after the last MoE layer
+# (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see
+# capture_copy_once.
 COPY_ONCE_ENV = "SLOTROUTE_CAPTURE_COPY_ONCE"
 MODES = ("slotroute", "cpu-capture-only")
 
@@ -106,6 +109,21 @@ def _patch_set(name: str) -> list:
     """The patches of one adapter, built (and their module imported) on demand."""
     module, function = _PATCH_SETS[name]
     return getattr(importlib.import_module(module), function)()
+
+
+def capture_copy_once(device_type: str, setting: str | None) -> bool:
+    """Whether the worker's capturer writes a step's rows with one copy after the last
+    MoE layer (``copy_once``), from ``SLOTROUTE_CAPTURE_COPY_ONCE``'s value (``None``
+    where unset) and the type of the device the model runs on.
+
+    Unset or empty, on a CUDA device only: there each layer's copy is a kernel in the
+    step's CUDA graph, and one stack spares all but one of them; on the CPU each copy is
+    a memcpy, and holding the ids until the last layer buys nothing.
+    """
+    value = (setting or "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{COPY_ONCE_ENV} must be 0, 1 or unset, got {setting!r}")
+    return value == "1" or (value == "" and device_type == "cuda")
 
 
 def _disabled() -> bool:

@@ -27,7 +27,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
-from slotroute.vllm import COPY_ONCE_ENV, LOGGER_NAME
+from slotroute.vllm import COPY_ONCE_ENV, LOGGER_NAME, capture_copy_once
 from slotroute.vllm.routing import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists, StepFailure
 
@@ -102,7 +102,7 @@ class WorkerRouting:
         group = get_tp_group().device_group if self.tp_size > 1 else None
         moe = moe_layer_ids(model)
         dense = [layer for layer in range(spec.num_layers) if layer not in moe]
-        copy_once = os.environ.get(COPY_ONCE_ENV) == "1"
+        copy_once = capture_copy_once(device.type, os.environ.get(COPY_ONCE_ENV))
         # A ring slot per step the runner keeps in flight, and one more: vLLM resolves a
         # step's output before it starts the step max_concurrent_batches later, so each
         # snapshot finds its slot free (NOTE 1 of RoutedExpertsCapturer has the rest).
