@@ -22,8 +22,10 @@ graph per step size and replayed, the device time per step of each way of captur
 
 The held ids stay allocated until the one copy is recorded, so the graph's pool cannot
 hand their memory to a later layer in between. Every path's rows are checked against the
-per-layer path's. Rounds interleave the paths, the order rotating, and each figure is the
-median (min-max) over rounds of each round's median of ``--repeat`` timed replays.
+per-layer path's. Each round records every path's graph afresh, so that where a
+recording's buffers fall varies between rounds instead of staying with one path; rounds
+interleave the paths, the order rotating, and each figure is the median (min-max) over
+rounds of each round's median of ``--repeat`` timed replays.
 
     python benchmarks/gpu_capture_paths.py --out paths.json
 """
@@ -99,6 +101,32 @@ def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def record_paths(n: int, weights: dict, x: torch.Tensor, errors: dict, equal: dict) -> dict:
+    """Each path's step of ``n`` tokens recorded in a CUDA graph of its own and replayed
+    once into buffers reset to -1; ``equal[path]`` turns False where that replay's rows differ from the per-layer
+    path's, and a path the device or torch refuses goes to ``errors`` (not fatal)."""
+    steps, graphs = {}, {}
+    for path in PATHS:
+        if path in errors:
+            continue
+        try:
+            steps[path] = Step(path, n, weights, x)
+            graphs[path] = cuda_graph.record(steps[path])
+            steps[path].token_major.fill_(-1)  # what the recording's own run wrote: the replay must write it again
+            steps[path].layer_major.fill_(-1)
+            graphs[path].replay()
+        except Exception as exc:
+            errors[path] = f"{type(exc).__name__}: {exc}"
+            graphs.pop(path, None)
+    torch.cuda.synchronize()
+    reference = steps["per-layer"].rows()
+    assert (reference >= 0).all() and (reference < EXPERTS).all(), "the per-layer path left rows unwritten"
+    for path in graphs:
+        if path != "none":
+            equal[path] = equal[path] and bool(torch.equal(steps[path].rows(), reference))
+    return graphs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="write the results as JSON here")
@@ -120,24 +148,17 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in SIZES:
         x = torch.randn(n, HIDDEN, **bf16)
-        steps, graphs, errors = {}, {}, {}
-        for path in PATHS:
-            try:
-                steps[path] = Step(path, n, weights, x)
-                graphs[path] = cuda_graph.record(steps[path])
-                graphs[path].replay()
-            except Exception as exc:  # a path the device or torch refuses is reported, not fatal
-                errors[path] = f"{type(exc).__name__}: {exc}"
-                graphs.pop(path, None)
-        torch.cuda.synchronize()
-        reference = steps["per-layer"].rows().clone()
-        assert (reference >= 0).all() and (reference < EXPERTS).all(), "the per-layer path left rows unwritten"
-        equal = {path: bool(torch.equal(steps[path].rows(), reference)) for path in graphs if path != "none"}
-        by_round: dict[str, list[float]] = {path: [] for path in graphs}
-        order = list(graphs)
+        errors: dict[str, str] = {}
+        equal = {path: True for path in PATHS if path != "none"}
+        by_round: dict[str, list[float]] = {path: [] for path in PATHS}
         for r in range(args.rounds):
+            graphs = record_paths(n, weights, x, errors, equal)
+            order = list(graphs)
             for path in order[r % len(order):] + order[:r % len(order)]:
                 by_round[path].append(event_median_us(graphs[path].replay, args.repeat))
+            del graphs
+        by_round = {path: v for path, v in by_round.items() if v}
+        equal = {path: ok for path, ok in equal.items() if path in by_round}
         row = {"n": n, "us_per_step": {p: spread(v) for p, v in by_round.items()}, "rows_equal_per_layer": equal,
                "errors": errors}
         base = row["us_per_step"]["none"]["median"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -48,3 +49,27 @@ def test_without_a_cuda_device_it_says_so_and_exits_2(capsys):
         pytest.skip("a CUDA device is here: the benchmark would run")
     assert paths.main([]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_each_recording_is_checked_by_its_replay_alone_and_a_path_that_writes_other_rows_is_flagged(small, monkeypatch):
+    """``record_paths`` resets each path's buffers after recording, so only the replay's
+    writes are compared with the per-layer path's; a refused path is reported, not fatal."""
+    weights, x = small
+
+    def record(fn):  # a stand-in for the CUDA graph: its replay reruns the step
+        fn()
+        return SimpleNamespace(replay=fn)
+
+    monkeypatch.setattr(paths.cuda_graph, "record", record)
+    monkeypatch.setattr(paths.torch.cuda, "synchronize", lambda: None)
+    errors, equal = {"forked": "RuntimeError: no side stream here"}, {p: True for p in paths.PATHS if p != "none"}
+    graphs = paths.record_paths(5, weights, x, errors, equal)
+    assert set(graphs) == set(paths.PATHS) - {"forked"} and equal == {p: True for p in equal}
+    # replays that write nothing, after a recording's own run that did: the reset
+    # buffers are what is compared, so those paths are flagged, and stay flagged
+    monkeypatch.setattr(paths.cuda_graph, "record", lambda step: (step(), SimpleNamespace(
+        replay=step if step.path in ("none", "per-layer") else (lambda: None)))[1])
+    paths.record_paths(5, weights, x, errors, equal)
+    assert [p for p, ok in equal.items() if not ok] == ["foreach", "cat", "stack"]
+    paths.record_paths(5, weights, x, errors, equal)  # a later round's recordings
+    assert [p for p, ok in equal.items() if not ok] == ["foreach", "cat", "stack"]
