@@ -179,6 +179,7 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
     import vllm
     from vllm.config import CUDAGraphMode
 
+    from slotroute.vllm import COPY_ONCE_ENV, capture_copy_once
     from slotroute.vllm.connector import ConnectorRouting
     from slotroute.vllm.scheduler import SchedulerRouting
 
@@ -205,9 +206,13 @@ def test_engine_runs_the_expected_runner_with_cuda_graphs_and_slotroute_in_place
         assert runner.__dict__.get("_slotroute_routing") is not None
         if not connector:
             assert not runner.routed_experts_initialized  # none of vLLM's int32 copies run
+    # one capture copy a step unless SLOTROUTE_CAPTURE_COPY_ONCE=0 (the default on CUDA)
+    copy_once = worker_routing(llm).capturer._copy_once
+    assert copy_once is capture_copy_once("cuda", os.environ.get(COPY_ONCE_ENV))
     print(f"RESULT runner={type(runner).__module__}.{type(runner).__qualname__} "
           f"cudagraph_mode={config.compilation_config.cudagraph_mode} "
-          f"async_scheduling={config.scheduler_config.async_scheduling} vllm={vllm.__version__}")
+          f"async_scheduling={config.scheduler_config.async_scheduling} vllm={vllm.__version__} "
+          f"capture={'one copy a step' if copy_once else 'a copy per MoE layer'}")
 
 
 def test_worker_ships_narrow_rows_that_the_scheduler_stores(llm):
