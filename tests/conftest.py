@@ -123,6 +123,22 @@ def scheduler_of(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def runner_of(llm):
+    """The in-process worker's model runner."""
+    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+
+
+def worker_routing(llm):
+    """slotroute's worker routing in the engine's model runner, whichever holds it: the
+    V1 adapter, the V2 aux-output connector (0.31+) or the V2 capturer (0.28-0.30);
+    ``None`` if none does."""
+    runner = runner_of(llm)
+    found = runner.__dict__.get("_slotroute_routing")
+    for holder in ("aux_output_connector", "routed_experts_capturer"):
+        found = found or getattr(getattr(runner, holder, None), "routing", None)
+    return found
+
+
 def routing_of(scheduler):
     """slotroute's scheduler-side routing, where vLLM keeps its own: the routed-experts
     manager (0.28-0.30) or the aux-output connector (0.31+); ``None`` if neither."""

@@ -25,6 +25,7 @@ from conftest import (
     make_llm,
     prompt_tokens,
     routing_of,
+    runner_of,
     scheduler_of,
     shipped_routing,
 )
@@ -39,11 +40,6 @@ NUM_BLOCKS = 24
 
 def engine_core_of(llm):
     return llm.llm_engine.engine_core.engine_core
-
-
-def runner_of(llm):
-    """The in-process worker's model runner (a vLLM ``CPUModelRunner``)."""
-    return engine_core_of(llm).model_executor.driver_worker.worker.model_runner
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from conftest import (
     routing_of,
     scheduler_of,
     vllm_version,
+    worker_routing,
 )
 
 pytestmark = pytest.mark.vllm
@@ -287,7 +288,7 @@ def test_one_capture_copy_a_step_returns_the_routing_of_a_run_without_caching(ti
     the lone run's routing."""
     monkeypatch.setenv("SLOTROUTE_CAPTURE_COPY_ONCE", "1")
     for once in engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=96):
-        capturer = capturer_of(once)
+        capturer = worker_routing(once).capturer
         assert capturer._copy_once and tuple(capturer._routers) == MOE_LAYERS
         shared = prompt_tokens(56, 150)
         prompts = [shared + prompt_tokens(57, 30), prompt_tokens(58, 2 * TOKEN_BUDGET + 9), shared + prompt_tokens(59, 20)]
@@ -418,17 +419,11 @@ class LogLines(logging.Handler):
         self.logger.removeHandler(self)
 
 
-def capturer_of(llm):
-    """The in-process worker's capturer."""
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    return runner.__dict__["_slotroute_routing"].capturer
-
-
 @contextmanager
 def one_bad_expert_id(llm):
     """The next step's capture of the last MoE layer gets an expert id out of range at
     token 2 (the worker's check then fails that step)."""
-    capturer = capturer_of(llm)
+    capturer = worker_routing(llm).capturer
     capture, armed = capturer.capture, [True]
 
     def capture_one_bad_id(layer_id, topk_ids, **kwargs):

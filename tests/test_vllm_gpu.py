@@ -40,7 +40,9 @@ from conftest import (
     per_request_routing_state,
     prompt_tokens,
     routing_of,
+    runner_of,
     scheduler_of,
+    worker_routing,
 )
 
 pytestmark = [
@@ -106,10 +108,6 @@ def gpu_llm(model: str, **overrides):
     )
     args.update(overrides)
     return LLM(**args)
-
-
-def runner_of(llm):
-    return llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
 
 
 @pytest.fixture(scope="module")
@@ -286,16 +284,6 @@ def test_abort_leaves_no_state_and_other_requests_match_the_reference(llm, gpu_r
     for name in "ac":
         assert_same_routing(finished[name], gpu_reference(prompts[name], 10), oracle)
     assert not scheduler.requests and not per_request_routing_state(scheduler)
-
-
-def worker_routing(llm):
-    """slotroute's worker routing in the engine's model runner, whichever holds it: the
-    V1 adapter, the V2 aux-output connector (0.31+) or the V2 capturer (0.28-0.30)."""
-    runner = runner_of(llm)
-    found = runner.__dict__.get("_slotroute_routing")
-    for holder in ("aux_output_connector", "routed_experts_capturer"):
-        found = found or getattr(getattr(runner, holder, None), "routing", None)
-    return found
 
 
 def test_step_whose_routing_fails_its_check_fails_its_request_alone(llm, gpu_reference, oracle):

@@ -72,11 +72,9 @@ if not extra.get("disable_log_stats", True):
         if metric.name in totals:
             totals[metric.name] += metric.value
     found["drafts"] = np.array([totals[name] for name in names])
-runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-found["rows_rejected"] = np.array(getattr(getattr(runner, "aux_output_connector", None), "rows_rejected", -1))
-# slotroute's worker routing: the V1 runner's, V2's connector's (0.31+) or V2's capturer's (0.28-0.30)
-routing = (runner.__dict__.get("_slotroute_routing") or getattr(getattr(runner, "aux_output_connector", None), "routing", None)
-           or getattr(getattr(runner, "routed_experts_capturer", None), "routing", None))
+from conftest import runner_of, worker_routing  # the tests' directory is on this child's path
+found["rows_rejected"] = np.array(getattr(getattr(runner_of(llm), "aux_output_connector", None), "rows_rejected", -1))
+routing = worker_routing(llm)
 found["copy_once"] = np.array(-1 if routing is None else int(routing.capturer._copy_once))  # 1: one copy a step
 np.savez(out, **found)
 print("CHILD DONE")
@@ -87,7 +85,9 @@ def run_engine(tiny_model: str, dtype: str, own_path: bool, work, prompts=PROMPT
     prompts_file = work / "prompts.json"
     prompts_file.write_text(json.dumps(prompts))
     out = work / f"{dtype}-{'vllm' if own_path else 'slotroute'}.npz"
-    env = {**os.environ, "SLOTROUTE_DISABLE": "1" if own_path else "0"}
+    tests = os.path.dirname(os.path.abspath(__file__))  # for the child's import of conftest
+    env = {**os.environ, "SLOTROUTE_DISABLE": "1" if own_path else "0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, "-c", CHILD, tiny_model, dtype, str(prompts_file), str(out), json.dumps(extra)],
         env=env, capture_output=True, text=True, timeout=900,
