@@ -27,7 +27,10 @@
 # `bench` and `offload` keep their state in /tmp/gpu_engine_RUNNER.json and
 # /tmp/gpu_offload_MODE.json and start no child that would end after BUDGET_S seconds: the
 # same command continues them (with a larger --rounds it adds rounds; a JSON of
-# another setup there stops the call and is kept). Logs and JSON are copied to $OUT
+# another setup there stops the call and is kept). A run of an earlier session goes on
+# from its committed JSON copied there first (`cp benchmarks/RUN.json /tmp/gpu_engine_v2.json`):
+# on another machine its configurations warm up again and a round begun there runs
+# again whole (gpu_engine.py's docstring). Logs and JSON are copied to $OUT
 # where it is set (the JSON every 15 s too, for a call stopped at its time limit).
 set -u
 cd "$(dirname "$0")/.."

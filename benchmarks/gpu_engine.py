@@ -39,7 +39,11 @@ timing; the warm-up children time every routing call, for a per-call breakdown. 
 child's figures go to ``--json``; with ``--budget-s`` the run stops before a child
 that would not finish in time, and the same command line continues it from the JSON
 (with a larger ``--rounds``, it adds rounds to those found; a JSON of another setup
-stops the run and is kept).
+stops the run and is kept). Each counted child records its machine (host name and boot
+id) and GPU, so a run may go on on another machine, in a later session: there the
+configurations still to run warm up first, a round begun elsewhere runs again whole
+(the earlier figures kept in the JSON as ``superseded``), and every round's ratios
+come from one machine; the report names the machines and their rounds.
 
 The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
@@ -65,6 +69,7 @@ import gc
 import importlib.util
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -450,11 +455,13 @@ def child(args) -> None:
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    import torch
     import vllm
 
     print("CHILD " + json.dumps(dict(
         config=args.child, start_s=start_s, results=results, use_v2=config.use_v2_model_runner,
         runner=f"{type(runner).__module__}.{type(runner).__qualname__}", vllm=vllm.__version__,
+        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
         host_reserved_bytes=pool["reserved"], **({"profile": profiles} if args.profile else {}),
@@ -628,6 +635,55 @@ def record_child(entry: dict, result, seconds: float, time_key: str) -> bool:
     return True
 
 
+def this_machine() -> str:
+    """The machine this call runs on: its host name and boot id, so that a machine given
+    back and another lent under the same name are told apart. Every counted child
+    records it; a round's ratios are same-machine ratios only where all its children
+    ran on one."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()[:8]
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def resume_on(children: list[dict], machine: str) -> tuple[list[int], bool]:
+    """Prepares a run found in a JSON to go on on ``machine``. A counted round begun on
+    another machine and not finished there is started again here: the figures of its
+    children that ran elsewhere move, whole, into their entry's ``superseded`` list, so
+    that the JSON keeps every child and each round's ratios come from one machine. A
+    child recorded before machines were recorded counts as run on a machine other than
+    any this call can be on. Returns the rounds started again, and whether this run
+    goes on from a child that ran on another machine (whose compile caches this machine
+    lacks: the configurations still to run warm up first)."""
+    by_round: dict[int, list[dict]] = {}
+    for c in children:
+        if c.get("round", 0) > 0:
+            by_round.setdefault(c["round"], []).append(c)
+    restarted = []
+    for r, entries in sorted(by_round.items()):
+        done = [c for c in entries if "results" in c]
+        if done and len(done) < len(entries) and any(c.get("machine") != machine for c in done):
+            restarted.append(r)
+            for c in done:
+                figures = {k: c.pop(k) for k in list(c) if k not in ("round", "config", "superseded")}
+                c.setdefault("superseded", []).append(figures)
+    ran = [c for c in children if "results" in c]
+    return restarted, bool(ran) and ran[-1].get("machine") != machine
+
+
+def machines_of(children: list[dict], rounds: list[int]) -> list[dict]:
+    """The machines the counted ``rounds`` ran on, in the order they were first used:
+    each one's GPU and rounds (children recorded before machines were, one machine)."""
+    found: dict[str, dict] = {}
+    for c in children:
+        if c.get("round", 0) in rounds and "results" in c:
+            m = found.setdefault(str(c.get("machine")), dict(machine=c.get("machine"), device=c.get("device"), rounds=[]))
+            if c["round"] not in m["rounds"]:
+                m["rounds"].append(c["round"])
+    return list(found.values())
+
+
 def write_json(path: Path, state: dict) -> None:
     """``state`` to ``path`` whole or not at all (written beside it, then renamed), so
     that a copy taken at any moment, or a call stopped mid-write, holds a readable run."""
@@ -702,6 +758,15 @@ COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", 
                ("slotroute", "slotroute-per-layer", None))
 
 
+def split_rounds(children: list[dict]) -> list[int]:
+    """The counted rounds whose children with figures ran on more than one machine."""
+    machines: dict[int, set] = {}
+    for c in children:
+        if c.get("round", 0) > 0 and "results" in c:
+            machines.setdefault(c["round"], set()).add(c.get("machine"))
+    return sorted(r for r, m in machines.items() if len(m) > 1)
+
+
 def rounds_of(children: list[dict]) -> tuple[list[int], dict[int, list[str]]]:
     """The counted rounds in which every configuration of the run has a child with
     results, and the others: each round still partial (a run stopped by its budget, a
@@ -713,7 +778,8 @@ def rounds_of(children: list[dict]) -> tuple[list[int], dict[int, list[str]]]:
             ran.setdefault(c["round"], set())
             if "results" in c:
                 ran[c["round"]].add(c["config"])
-    whole = [r for r in sorted(ran) if ran[r] == set(configs)]
+    split = split_rounds(children)  # they compare nothing within one machine
+    whole = [r for r in sorted(ran) if ran[r] == set(configs) and r not in split]
     partial = {r: [c for c in configs if c in ran[r]] for r in sorted(ran) if r not in whole}
     return whole, partial
 
@@ -727,7 +793,9 @@ def summarize(children: list[dict]) -> dict:
     the claim (or 1 where nothing is claimed)."""
     whole, partial = rounds_of(children)
     rounds = [c for c in children if c.get("round", 0) in whole and "results" in c]
-    summary: dict = {"rounds": whole, "partial_rounds": partial, "configs": {}, "comparisons": {}}
+    summary: dict = {"rounds": whole, "partial_rounds": partial, "split_rounds": split_rounds(children),
+                     "machines": machines_of(children, whole),
+                     "configs": {}, "comparisons": {}}
     workloads_seen = [w for w in WORKLOADS if any(w in c["results"] for c in rounds)]
     for workload in workloads_seen:
         by_config: dict[str, dict] = {}
@@ -854,8 +922,17 @@ def rounds_done(summary: dict, planned: int) -> str:
     """The report's count of whole rounds, naming each partial round left out."""
     text = f"rounds done: {len(summary['rounds'])} of {planned} (round 0, the warm-up, left out"
     for r, configs in summary["partial_rounds"].items():
-        text += (f"; round {r} left out, its figures only from {', '.join(configs)}" if configs
-                 else f"; round {r} has no figures yet")
+        if not configs:
+            text += f"; round {r} has no figures yet"
+        elif r in summary.get("split_rounds", ()):
+            text += f"; round {r} left out, its children ran on more than one machine"
+        else:
+            text += f"; round {r} left out, its figures only from {', '.join(configs)}"
+    machines = summary.get("machines", [])
+    if len(machines) > 1:
+        text += "; each round on one machine, " + " | ".join(
+            f"round{'s' * (len(m['rounds']) > 1)} {', '.join(map(str, m['rounds']))} on {m['device'] or 'a GPU'}"
+            f" ({m['machine'] or 'unrecorded'})" for m in machines)
     return text + ")"
 
 
@@ -1026,8 +1103,18 @@ def main() -> None:
     env = dict(os.environ)
     if args.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    for c in state["children"]:  # children from before children named their GPU: the one the run named
+        if "results" in c and "device" not in c and "device" in state:
+            c["device"] = state["device"]
+    machine = this_machine()
+    restarted, elsewhere = resume_on(state["children"], machine)
+    if restarted:
+        print(f"rounds {', '.join(map(str, restarted))} begun on another machine: run again here whole, "
+              "their earlier figures kept as superseded", flush=True)
     pending = [c for c in state["children"] if "results" not in c]
-    if args.rewarm and pending:  # the configurations still to run, each warmed up first
+    if elsewhere and pending and not args.rewarm:
+        print(f"continuing on another machine ({machine}): each configuration still to run warms up first", flush=True)
+    if (args.rewarm or elsewhere) and pending:  # the configurations still to run, each warmed up first
         at = state["children"].index(pending[0])
         for config in dict.fromkeys(c["config"] for c in pending):
             state["children"].insert(at, dict(round=0, config=config))
@@ -1052,6 +1139,7 @@ def main() -> None:
                         "profile": ["--compile-only", "--profile"]}[args.warm_up]
         child_began = time.perf_counter()
         result = subprocess.run(command, env=child_env, capture_output=True, text=True)
+        entry["machine"] = machine
         if not record_child(entry, result, time.perf_counter() - child_began, "wall_s"):
             print(f"round {entry['round']} {entry['config']}: failed ({result.returncode})\n{result.stderr[-4000:]}",
                   flush=True)
@@ -1066,8 +1154,9 @@ def main() -> None:
             write_json(Path(args.json), state)
     import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     done = [c for c in state["children"] if "results" in c]
+    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    device = " and ".join(dict.fromkeys(c.get("device") or here for c in done)) or here
     version = done[0].get("vllm", "?") if done else "?"
     state["summary"] = summarize(state["children"])
     state["device"] = device

@@ -515,3 +515,54 @@ def test_a_round_that_lacks_some_configurations_figures_is_left_out_of_every_med
     waiting = gpu_engine.summarize(children[:4] + [dict(round=3, config="off"), dict(round=3, config="slotroute")])
     assert waiting["partial_rounds"] == {3: []} and gpu_engine.rounds_done(waiting, 3) == (
         "rounds done: 2 of 3 (round 0, the warm-up, left out; round 3 has no figures yet)")
+
+
+def test_a_run_continued_on_another_machine_warms_up_and_runs_a_round_begun_elsewhere_again_whole():
+    children = gpu_engine.plan(["off", "slotroute"], rounds=3)
+    for entry, value in zip(children, (0, 0, 100, 99, 101)):  # the warm-ups, round 1, round 2's first child
+        entry.update(results={} if entry["round"] == 0 else child(entry["round"], entry["config"], value)["results"],
+                     machine="a/1", device="H100", start_s=40.0, wall_s=120.0)
+    began_elsewhere = dict(children[4])
+
+    # on the machine that ran them: nothing moves, nothing to warm up
+    assert gpu_engine.resume_on(children, "a/1") == ([], False)
+    assert children[4] == began_elsewhere
+
+    restarted, elsewhere = gpu_engine.resume_on(children, "b/2")
+    assert (restarted, elsewhere) == ([2], True)
+    # round 2's child from machine a: to run again, its figures kept whole beside it
+    assert "results" not in children[4] and children[4]["superseded"] == [
+        {k: v for k, v in began_elsewhere.items() if k not in ("round", "config")}]
+    # round 1, whole on machine a, stays counted
+    assert all("results" in c for c in children[2:4])
+    summary = gpu_engine.summarize(children)
+    assert summary["rounds"] == [1] and summary["partial_rounds"] == {2: [], 3: []}
+
+    # round 2 whole on b, round 3 on b: the report names both machines and their rounds
+    for entry, value in zip(children[4:], (98, 100, 97, 101)):
+        entry.update(results=child(entry["round"], entry["config"], value)["results"], machine="b/2", device="H200")
+    assert gpu_engine.resume_on(children, "b/2") == ([], False)
+    summary = gpu_engine.summarize(children)
+    assert summary["rounds"] == [1, 2, 3]
+    assert [(m["machine"], m["device"], m["rounds"]) for m in summary["machines"]] == [
+        ("a/1", "H100", [1]), ("b/2", "H200", [2, 3])]
+    assert gpu_engine.rounds_done(summary, 3) == (
+        "rounds done: 3 of 3 (round 0, the warm-up, left out; each round on one machine, "
+        "round 1 on H100 (a/1) | rounds 2, 3 on H200 (b/2))")
+
+
+def test_a_round_whose_children_ran_on_two_machines_is_left_out_and_named():
+    children = [child(1, "off", 100), child(1, "slotroute", 99), child(2, "off", 100), child(2, "slotroute", 90)]
+    for entry, machine in zip(children, ("a", "a", "a", "b")):
+        entry["machine"] = machine
+    summary = gpu_engine.summarize(children)
+    assert summary["rounds"] == [1] and summary["split_rounds"] == [2]
+    assert summary["comparisons"]["rollout: slotroute / off (tok_s)"]["round_ratios"] == pytest.approx([0.99])
+    assert "round 2 left out, its children ran on more than one machine" in gpu_engine.rounds_done(summary, 2)
+
+
+def test_children_recorded_before_machines_were_count_as_one_machine_other_than_this_one():
+    children = [child(1, "off", 100), child(1, "slotroute", 99), dict(round=2, config="off"),
+                dict(round=2, config="slotroute")]
+    assert gpu_engine.summarize(children)["rounds"] == [1]
+    assert gpu_engine.resume_on(children, "b/2") == ([], True)  # nothing begun elsewhere; a warm-up first
