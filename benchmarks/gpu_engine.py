@@ -649,9 +649,10 @@ def this_machine() -> str:
 
 def resume_on(children: list[dict], machine: str) -> tuple[list[int], bool]:
     """Prepares a run found in a JSON to go on on ``machine``. A counted round begun on
-    another machine and not finished there is started again here: the figures of its
-    children that ran elsewhere move, whole, into their entry's ``superseded`` list, so
-    that the JSON keeps every child and each round's ratios come from one machine. A
+    another machine and not finished there (or finished on two) runs again here whole:
+    the figures of each of its children that ran move into their entry's ``superseded``
+    list, so that the JSON keeps every child and each round's ratios come from one
+    machine. A
     child recorded before machines were recorded counts as run on a machine other than
     any this call can be on. Returns the rounds started again, and whether this run
     goes on from a child that ran on another machine (whose compile caches this machine
@@ -663,7 +664,8 @@ def resume_on(children: list[dict], machine: str) -> tuple[list[int], bool]:
     restarted = []
     for r, entries in sorted(by_round.items()):
         done = [c for c in entries if "results" in c]
-        if done and len(done) < len(entries) and any(c.get("machine") != machine for c in done):
+        unfinished = len(done) < len(entries) or len({c.get("machine") for c in done}) > 1
+        if done and unfinished and any(c.get("machine") != machine for c in done):
             restarted.append(r)
             for c in done:
                 figures = {k: c.pop(k) for k in list(c) if k not in ("round", "config", "superseded")}

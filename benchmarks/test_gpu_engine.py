@@ -559,6 +559,10 @@ def test_a_round_whose_children_ran_on_two_machines_is_left_out_and_named():
     assert summary["rounds"] == [1] and summary["split_rounds"] == [2]
     assert summary["comparisons"]["rollout: slotroute / off (tok_s)"]["round_ratios"] == pytest.approx([0.99])
     assert "round 2 left out, its children ran on more than one machine" in gpu_engine.rounds_done(summary, 2)
+    # going on on either machine, or a third, runs round 2 again whole there
+    restarted, _ = gpu_engine.resume_on(children, "b")
+    assert restarted == [2] and all("results" not in c and len(c["superseded"]) == 1 for c in children[2:])
+    assert all("results" in c for c in children[:2])
 
 
 def test_children_recorded_before_machines_were_count_as_one_machine_other_than_this_one():
