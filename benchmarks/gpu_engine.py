@@ -652,11 +652,10 @@ def resume_on(children: list[dict], machine: str) -> tuple[list[int], bool]:
     another machine and not finished there (or finished on two) runs again here whole:
     the figures of each of its children that ran move into their entry's ``superseded``
     list, so that the JSON keeps every child and each round's ratios come from one
-    machine. A
-    child recorded before machines were recorded counts as run on a machine other than
-    any this call can be on. Returns the rounds started again, and whether this run
-    goes on from a child that ran on another machine (whose compile caches this machine
-    lacks: the configurations still to run warm up first)."""
+    machine. A child recorded before machines were recorded counts as run on a machine
+    other than any this call can be on. Returns the rounds started again, and whether
+    this run goes on from a child that ran on another machine (whose compile caches this
+    machine lacks: the configurations still to run warm up first)."""
     by_round: dict[int, list[dict]] = {}
     for c in children:
         if c.get("round", 0) > 0:
