@@ -103,8 +103,9 @@ def spread(values: list[float]) -> dict:
 
 def record_paths(n: int, weights: dict, x: torch.Tensor, errors: dict, equal: dict) -> dict:
     """Each path's step of ``n`` tokens recorded in a CUDA graph of its own and replayed
-    once into buffers reset to -1; ``equal[path]`` turns False where that replay's rows differ from the per-layer
-    path's, and a path the device or torch refuses goes to ``errors`` (not fatal)."""
+    once into buffers reset to -1; ``equal[path]`` turns False where that replay's rows
+    differ from the per-layer path's, and a path the device or torch refuses goes to
+    ``errors`` (not fatal)."""
     steps, graphs = {}, {}
     for path in PATHS:
         if path in errors:

@@ -660,10 +660,10 @@ def resume_on(children: list[dict], machine: str) -> tuple[list[int], bool]:
     for c in children:
         if c.get("round", 0) > 0:
             by_round.setdefault(c["round"], []).append(c)
-    restarted = []
+    restarted, split = [], split_rounds(children)
     for r, entries in sorted(by_round.items()):
         done = [c for c in entries if "results" in c]
-        unfinished = len(done) < len(entries) or len({c.get("machine") for c in done}) > 1
+        unfinished = len(done) < len(entries) or r in split
         if done and unfinished and any(c.get("machine") != machine for c in done):
             restarted.append(r)
             for c in done:
