@@ -455,13 +455,12 @@ def child(args) -> None:
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
         )
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-    import torch
     import vllm
 
     print("CHILD " + json.dumps(dict(
         config=args.child, start_s=start_s, results=results, use_v2=config.use_v2_model_runner,
         runner=f"{type(runner).__module__}.{type(runner).__qualname__}", vllm=vllm.__version__,
-        device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        device=device_name(),
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
         host_reserved_bytes=pool["reserved"], **({"profile": profiles} if args.profile else {}),
@@ -633,6 +632,13 @@ def record_child(entry: dict, result, seconds: float, time_key: str) -> bool:
         entry["failed_before"] = entry.pop("failed")
     entry.update(json.loads(lines[-1][6:]), **{time_key: seconds})
     return True
+
+
+def device_name() -> str:
+    """The GPU this process sees (``torch.cuda.get_device_name``), or ``cpu``."""
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
 def this_machine() -> str:
@@ -1153,10 +1159,8 @@ def main() -> None:
                   + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" for w, r in entry["results"].items()) + pool, flush=True)
         if args.json:
             write_json(Path(args.json), state)
-    import torch
-
     done = [c for c in state["children"] if "results" in c]
-    here = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    here = device_name()
     device = " and ".join(dict.fromkeys(c.get("device") or here for c in done)) or here
     version = done[0].get("vllm", "?") if done else "?"
     state["summary"] = summarize(state["children"])

@@ -217,7 +217,8 @@ def main() -> None:
         return
     began = time.perf_counter()
     sys.path.insert(0, str(HERE))
-    from gpu_engine import continued, expected_child_s, plan as rotated, record_child, write_config, write_json
+    from gpu_engine import (continued, device_name, expected_child_s, plan as rotated, record_child, write_config,
+                            write_json)
 
     work = Path(tempfile.gettempdir()) / "gpu_offload"
     work.mkdir(exist_ok=True)
@@ -263,9 +264,7 @@ def main() -> None:
         if args.json:
             write_json(Path(args.json), state)
     done = [c for c in state["children"] if "tok_s" in c]
-    import torch
-
-    state["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    state["device"] = device_name()
     if args.exact and {c["config"] for c in done} >= {"slotroute", "reference"}:
         state["exact"] = compare_exact({c["config"]: c["pickle"] for c in done}, model)
         print("EXACT " + json.dumps(state["exact"]), flush=True)
