@@ -69,6 +69,7 @@ import gc
 import importlib.util
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -114,12 +115,17 @@ def write_config(path: Path, layers: int) -> Path:
 class Timer:
     """Host seconds and calls of wrapped methods, by label (``worker``, ``scheduler``,
     ...) and by ``label:method`` (the breakdown; a ``detail`` label times calls nested
-    in others, kept out of the totals)."""
+    in others, kept out of the totals). With ``count_faults``, also the minor page
+    faults of the calling thread during each call, by ``label:method`` (a first touch
+    of memory the allocator mapped fresh; two ``getrusage`` calls a call, so only the
+    warm-up children count them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, count_faults: bool = False) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.samples: dict[str, list[float]] = {}  # every call's seconds, by label:method
+        self.faults: dict[str, int] = {}  # minor page faults, by label:method, where counted
+        self._count_faults = count_faults and hasattr(resource, "RUSAGE_THREAD")
         self.gc_seconds: dict[int, float] = {}  # the garbage collector's, by generation
         self.gc_runs: dict[int, int] = {}
         self._gc_started = 0.0
@@ -136,7 +142,7 @@ class Timer:
     def wrap(self, owner, name: str, label: str, on_call=None) -> None:
         inner = getattr(owner, name)
         keys = (label, f"{label}:{name}")
-        seconds, calls, samples = self.seconds, self.calls, self.samples
+        seconds, calls, samples, faults = self.seconds, self.calls, self.samples, self.faults
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -150,10 +156,16 @@ class Timer:
                 on_call(args, result)
             return result
 
-        setattr(owner, name, timed)
+        def counted(*args, **kwargs):
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            result = timed(*args, **kwargs)
+            faults[keys[1]] = faults.get(keys[1], 0) + resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+            return result
+
+        setattr(owner, name, counted if self._count_faults else timed)
 
     def reset(self) -> None:
-        for kept in (self.seconds, self.calls, self.samples, self.gc_seconds, self.gc_runs):
+        for kept in (self.seconds, self.calls, self.samples, self.faults, self.gc_seconds, self.gc_runs):
             kept.clear()
 
 
@@ -314,7 +326,7 @@ def workloads(requests: int, prompt_len: int, seed: int = 0):
 
 def child(args) -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    timer, shipped = Timer(), []
+    timer, shipped = Timer(count_faults=args.detail), []
     import numpy as np
     from vllm import LLM, SamplingParams
 
@@ -444,6 +456,7 @@ def child(args) -> None:
             # per call: the median and the largest (a garbage collection or a wait lands in one call)
             breakdown_median_us={k: 1e6 * statistics.median(v) for k, v in timer.samples.items()},
             breakdown_max_us={k: 1e6 * max(v) for k, v in timer.samples.items()},
+            breakdown_faults_per_call={k: v / timer.calls[k] for k, v in timer.faults.items() if timer.calls.get(k)},
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
@@ -838,11 +851,11 @@ def summarize(children: list[dict]) -> dict:
                 spread_wider_than_difference=spread > abs(medians - target),
             )
         summary.setdefault("host", {})[workload] = _host_cost(rounds, workload)
-    summary["breakdown"] = {
-        f"{c['config']} {workload}": r.get("breakdown_us_per_step", {})
-        for c in children if c.get("round") == 0 and "results" in c and c["config"] != "off"
-        for workload, r in c["results"].items()
-    }
+    warm_ups = [(f"{c['config']} {workload}", r) for c in children
+                if c.get("round") == 0 and "results" in c and c["config"] != "off"
+                for workload, r in c["results"].items()]
+    summary["breakdown"] = {name: r.get("breakdown_us_per_step", {}) for name, r in warm_ups}
+    summary["breakdown_faults"] = {name: r.get("breakdown_faults_per_call", {}) for name, r in warm_ups}
     summary["routing_calls"] = _routing_calls(children)
     summary["device_profile"] = device_profiles(children)
     return summary
@@ -1012,7 +1025,10 @@ def report(summary: dict, header: str) -> str:
     if summary.get("breakdown"):
         lines += ["", "Per-call breakdown (us/step), from the warm-up children, which time every routing call:"]
         for name, breakdown in summary["breakdown"].items():
-            parts = ", ".join(f"{k.split(':', 1)[1]} {v:.0f}" for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
+            faults = summary.get("breakdown_faults", {}).get(name, {})
+            parts = ", ".join(f"{k.split(':', 1)[1]} {v:.0f}" + (f" ({faults[k]:.0f} page faults a call)"
+                                                                  if faults.get(k, 0) >= 1 else "")
+                              for k, v in sorted(breakdown.items(), key=lambda kv: -kv[1])
                               if k.split(":", 1)[0] in ("scheduler", "worker", "detail"))
             lines.append(f"- {name}: {parts}")
     for workload, entry in summary.get("device_profile", {}).items():

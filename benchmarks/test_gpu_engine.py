@@ -48,6 +48,45 @@ def test_warm_ups_that_only_compiled_leave_the_rounds_figures_whole_and_no_break
     assert "Per-call breakdown" not in report and "| rollout | slotroute | 99 (99-99) |" in report
 
 
+def test_the_warm_up_timer_counts_the_page_faults_of_each_call_and_the_report_names_them():
+    import mmap
+
+    def calls():
+        class Calls:
+            @staticmethod
+            def touch_fresh_pages(pages):
+                region = mmap.mmap(-1, pages * 4096)  # mapped fresh: a fault at each page's first write
+                for page in range(pages):
+                    region[page * 4096] = 1
+                region.close()
+
+            @staticmethod
+            def add(a, b):
+                return a + b
+
+        return Calls
+
+    counting, timing = gpu_engine.Timer(count_faults=True), gpu_engine.Timer()
+    for timer in (counting, timing):
+        owner = calls()
+        for name in ("touch_fresh_pages", "add"):
+            timer.wrap(owner, name, "scheduler")
+        owner.touch_fresh_pages(512)
+        owner.touch_fresh_pages(512)
+        assert owner.add(1, 2) == 3
+    if hasattr(gpu_engine.resource, "RUSAGE_THREAD"):
+        assert counting.faults["scheduler:touch_fresh_pages"] >= 2 * 512
+        assert counting.faults["scheduler:add"] < 16
+    assert timing.faults == {} and timing.calls["scheduler:touch_fresh_pages"] == 2
+    warm_up = child(0, "slotroute", 1.0)
+    warm_up["results"]["rollout"].update(breakdown_us_per_step={"scheduler:get": 206.0, "scheduler:store_batch": 117.0},
+                                         breakdown_faults_per_call={"scheduler:get": 96.4, "scheduler:store_batch": 0.2})
+    summary = gpu_engine.summarize([warm_up, child(1, "off", 100), child(1, "slotroute", 99)])
+    assert summary["breakdown_faults"] == {"slotroute rollout": {"scheduler:get": 96.4, "scheduler:store_batch": 0.2}}
+    report = gpu_engine.report(summary, "h")
+    assert "- slotroute rollout: get 206 (96 page faults a call), store_batch 117\n" in report + "\n"
+
+
 def test_the_run_is_written_whole_by_a_rename(tmp_path):
     path = tmp_path / "run.json"
     path.write_text("an earlier run")
