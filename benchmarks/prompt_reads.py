@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="steps a child times (the first fifth left out)")
     parser.add_argument("--preset", default="qwen3-30b-a3b")
     parser.add_argument("--num-blocks", type=int, default=40000, help="the store's blocks of 16 slots")
-    parser.add_argument("--prompt-tokens", type=int, default=1024, help="each read's rows; 8192 / this reads a step")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="each read's rows; a step's 8192 tokens / this reads a step")
     parser.add_argument("--keep-steps", type=int, default=4, help="steps whose results stay alive")
     parser.add_argument("--chunk-bytes", type=int, default=0, help="the pool's chunk size (default: routing.py's)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -95,7 +95,9 @@ def main() -> None:
     def spread(values: list[float], digits: int) -> str:
         return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
-    print(f"{args.rounds} rounds; a step: {8192 // args.prompt_tokens} reads of {args.prompt_tokens} rows "
+    from slotroute.tools.bench import STEP_TOKENS
+
+    print(f"{args.rounds} rounds; a step: {STEP_TOKENS // args.prompt_tokens} reads of {args.prompt_tokens} rows "
           f"({args.preset}), each step's results kept for {args.keep_steps} steps")
     print("| allocator | fresh arrays, ms a step | pooled (SlotRouting.read), ms a step | fresh / pooled, same round |")
     print("|---|---|---|---|")
