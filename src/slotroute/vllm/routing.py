@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -33,10 +32,6 @@ logger = logging.getLogger(LOGGER_NAME)
 
 # The attribute slotroute sets on a SchedulerOutput (vLLM's object, not ours).
 _STEP_ATTR = "_slotroute_step"
-
-# The size of _ResultPool's chunks, but a read larger than this gets a chunk of its size:
-# small enough that the chunks being written stay in the cache as freed heap memory does.
-CHUNK_BYTES = 1 << 20
 
 
 def routing_spec(vllm_config) -> RoutingSpec:
@@ -82,81 +77,6 @@ def attention_gid(kv_cache_config) -> int:
     raise ValueError("slotroute keys routing by the slots of a full-attention KV cache group; this model has none")
 
 
-class _ResultPool:
-    """Memory for the reads :meth:`SlotRouting.read` hands to vLLM: chunks whose pages
-    are written once, when the chunk is made, each handed out front to back in spans,
-    one per read.
-
-    Invariant: a chunk is handed out from its start again only when no view of it is
-    alive. A read's result is a view of its span (numpy collapses every view's
-    ``base`` to the chunk, so each holds one reference to it), and anything that keeps
-    the rows keeps that view: vLLM's front end until the request finishes (0.28-0.30
-    concatenate a request's rows when it finishes), a separate engine core's output
-    thread until the message is sent (its zero-copy frames hold the array's buffer).
-
-    NOTE 1: vLLM 0.28-0.30 read the whole prompt of each request whose prefill
-    completes (1,024 rows of 384 bytes is 384 KiB), each into a new array. Where the
-    process's allocator maps such an allocation fresh and unmaps it when it is freed
-    (glibc does for 128 KiB or more while its mmap threshold is fixed, as
-    ``MALLOC_MMAP_THRESHOLD_`` or ``mallopt`` fix it), every read takes a page fault
-    per 4 KiB it writes, several times the copy itself. A chunk takes its page faults
-    once; a chunk whose results were all dropped is reused. Chunks are kept, at most
-    ``limit`` bytes of them (past it a read gets an array of its own), as the store
-    keeps its buffer.
-    """
-
-    __slots__ = ("_row_shape", "_dtype", "_row_bytes", "_chunks", "_array", "_offset", "_chunk_bytes", "_limit",
-                 "_idle_refs", "nbytes")
-
-    def __init__(self, spec: RoutingSpec, chunk_bytes: int, limit: int) -> None:
-        self._row_shape, self._dtype, self._row_bytes = spec.token_shape, spec.storage_dtype, spec.bytes_per_token
-        self._chunks: list[np.ndarray] = []  # uint8, each at least chunk_bytes long
-        self._array: np.ndarray | None = None  # the chunk spans come from now
-        self._offset = 0
-        self._chunk_bytes, self._limit = chunk_bytes, limit
-        self._idle_refs = 0  # sys.getrefcount of a chunk no view of which is alive, measured on the first
-        self.nbytes = 0  # bytes the pool holds
-
-    def take(self, rows: int) -> np.ndarray | None:
-        """A C-contiguous ``(rows, num_layers, top_k)`` array of the storage dtype on a
-        span of a chunk (its values are whatever the span held), or ``None`` where
-        ``rows`` is not positive, or every chunk that would fit it is in use and the
-        pool is at its limit."""
-        nbytes = rows * self._row_bytes
-        if rows <= 0:
-            return None
-        start = self._offset
-        if self._array is None or start + nbytes > len(self._array):
-            self._array = self._free_chunk(nbytes)
-            if self._array is None:
-                return None
-            start = 0
-        self._offset = start + -(-nbytes // 64) * 64  # each span on whole cache lines
-        return self._array[start:start + nbytes].view(self._dtype).reshape(rows, *self._row_shape)
-
-    def _refs(self, chunk: np.ndarray) -> int:
-        """References to ``chunk`` but the current chunk's: called alike wherever it
-        is compared with ``_idle_refs``, each view adds one."""
-        return sys.getrefcount(chunk) - (chunk is self._array)
-
-    def _free_chunk(self, nbytes: int) -> np.ndarray | None:
-        """A chunk of at least ``nbytes`` no view of which is alive, a new one where
-        none is and the limit allows, else ``None``."""
-        for chunk in self._chunks:
-            if len(chunk) >= nbytes and self._refs(chunk) <= self._idle_refs:
-                return chunk
-        size = max(nbytes, self._chunk_bytes)
-        if self.nbytes + size > self._limit:
-            return None
-        chunk = np.empty(size, dtype=np.uint8)
-        chunk.fill(0)  # NOTE 1: its page faults now, once
-        self._chunks.append(chunk)
-        self.nbytes += size
-        if len(self._chunks) == 1:
-            self._idle_refs = self._refs(chunk)
-        return chunk
-
-
 class SlotRouting:
     """The scheduler's routing: a slotroute
     :class:`~slotroute.store.RoutedExpertsManager` sized to the whole KV block pool,
@@ -196,10 +116,6 @@ class SlotRouting:
         self._failed: set[str] = set()
         # The block pool's BlockPool.evict_blocks, once connect() is called.
         self._evict_cached = None
-        # Where read() puts its results: never more than the store holds, which bounds
-        # the prompt rows of the requests in flight.
-        limit = store.num_slots * store.spec.bytes_per_token
-        self._results = _ResultPool(store.spec, min(CHUNK_BYTES, limit), limit)
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config) -> SlotRouting:
@@ -305,17 +221,13 @@ class SlotRouting:
         If some of them has no stored routing, returns an empty marker array instead
         and records the error; :meth:`finish_missing` then fails the request.
 
-        The rows land in a chunk of memory that is reused once every earlier result
-        on it has been dropped (:class:`_ResultPool`): a view, of memory nothing else
-        writes while the result is alive; an array of its own where the pool is full.
-
         Raises
         ------
         ValueError, IndexError
             As ``RoutedExpertsManager.get`` for malformed arguments (a vLLM bug).
         """
         try:
-            return self.store.get(block_ids, num_tokens, token_start, self._results.take(num_tokens - token_start))
+            return self.store.get(block_ids, num_tokens, token_start)
         except MissingRoutingError as error:
             return self.missing(error)
 
