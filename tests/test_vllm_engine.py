@@ -281,6 +281,20 @@ def test_async_scheduling_request_runs_sync_on_cpu_with_exact_routing(tiny_model
             assert_same_completion(got, reference(prompt, 7))
 
 
+def assert_hits_chunks_and_decodes_match_the_lone_runs(llm, reference, first_seed: int) -> None:
+    """Three prompts (seeds from ``first_seed``), one sharing 150 tokens with a prompt
+    served before, one chunked over three steps: every token's routing, prefix-cache
+    hits included, equals the lone run's."""
+    shared = prompt_tokens(first_seed, 150)
+    prompts = [shared + prompt_tokens(first_seed + 1, 30), prompt_tokens(first_seed + 2, 2 * TOKEN_BUDGET + 9),
+               shared + prompt_tokens(first_seed + 3, 20)]
+    generate(llm, [prompts[0]], greedy(4))
+    got = generate(llm, prompts, greedy(6))
+    assert got[2].num_cached_tokens >= 96, got[2].num_cached_tokens
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 6))
+
+
 def test_one_capture_copy_a_step_returns_the_routing_of_a_run_without_caching(tiny_model, reference, monkeypatch):
     """``SLOTROUTE_CAPTURE_COPY_ONCE=1``: the worker's capturer holds each router's ids and
     writes the step's rows once, after the last MoE layer (NOTE 5 of
@@ -290,13 +304,7 @@ def test_one_capture_copy_a_step_returns_the_routing_of_a_run_without_caching(ti
     for once in engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=96):
         capturer = worker_routing(once).capturer
         assert capturer._copy_once and tuple(capturer._routers) == MOE_LAYERS
-        shared = prompt_tokens(56, 150)
-        prompts = [shared + prompt_tokens(57, 30), prompt_tokens(58, 2 * TOKEN_BUDGET + 9), shared + prompt_tokens(59, 20)]
-        generate(once, [prompts[0]], greedy(4))
-        got = generate(once, prompts, greedy(6))
-        assert got[2].num_cached_tokens >= 96, got[2].num_cached_tokens
-        for g, prompt in zip(got, prompts):
-            assert_same_completion(g, reference(prompt, 6))
+        assert_hits_chunks_and_decodes_match_the_lone_runs(once, reference, first_seed=56)
 
 
 def test_steps_rows_copied_for_the_scheduler_return_the_routing_of_a_run_without_caching(
@@ -307,13 +315,7 @@ def test_steps_rows_copied_for_the_scheduler_return_the_routing_of_a_run_without
     and decode steps return the lone run's routing."""
     monkeypatch.setenv("SLOTROUTE_STEP_ROWS_COPY", "1")
     for copying in engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=96):
-        shared = prompt_tokens(61, 150)
-        prompts = [shared + prompt_tokens(62, 30), prompt_tokens(63, 2 * TOKEN_BUDGET + 9), shared + prompt_tokens(64, 20)]
-        generate(copying, [prompts[0]], greedy(4))
-        got = generate(copying, prompts, greedy(6))
-        assert got[2].num_cached_tokens >= 96, got[2].num_cached_tokens
-        for g, prompt in zip(got, prompts):
-            assert_same_completion(g, reference(prompt, 6))
+        assert_hits_chunks_and_decodes_match_the_lone_runs(copying, reference, first_seed=61)
 
 
 def test_engine_without_routed_experts_runs_unchanged_under_the_plugin(tiny_model, reference):
