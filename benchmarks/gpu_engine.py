@@ -53,10 +53,7 @@ committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's r
 read when it finishes, none of its prompt's read ahead while it decodes
 (``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-per-layer``: the worker's capture
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
-instead of once after the last MoE layer, and ``slotroute-rows-copy``: on vLLM 0.28-0.30,
-each step's rows handed to vLLM's scheduler as a copy of their own instead of a view of
-the pinned memory the GPU wrote (``SLOTROUTE_STEP_ROWS_COPY=1``); each compared with
-slotroute in the same rounds.
+instead of once after the last MoE layer; each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session).
 
@@ -88,17 +85,14 @@ CONFIGS = ("off", "vllm", "slotroute")
 # at start; and slotroute reading each request's rows only when it finishes
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
 # and slotroute copying each MoE layer's routing as its router runs
-# (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step;
-# and slotroute handing vLLM 0.28-0.30's scheduler a copy of each step's rows
-# (``SLOTROUTE_STEP_ROWS_COPY=1``), against which it measures views of pinned memory.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-rows-copy")
+# (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
-              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
-              "slotroute-rows-copy": {"SLOTROUTE_STEP_ROWS_COPY": "1"}}
+              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -781,7 +775,7 @@ RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
-               ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-rows-copy", None))
+               ("slotroute", "slotroute-per-layer", None))
 
 
 def split_rounds(children: list[dict]) -> list[int]:

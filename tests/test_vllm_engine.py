@@ -307,17 +307,6 @@ def test_one_capture_copy_a_step_returns_the_routing_of_a_run_without_caching(ti
         assert_hits_chunks_and_decodes_match_the_lone_runs(once, reference, first_seed=56)
 
 
-def test_steps_rows_copied_for_the_scheduler_return_the_routing_of_a_run_without_caching(
-        tiny_model, reference, monkeypatch):
-    """``SLOTROUTE_STEP_ROWS_COPY=1``: on vLLM 0.28-0.30 each step's rows reach vLLM's
-    scheduler as a copy of their own (``worker.step_rows``; 0.31+ ship through
-    slotroute's connector, which does not read it); prefix-cache hits, chunked prefill
-    and decode steps return the lone run's routing."""
-    monkeypatch.setenv("SLOTROUTE_STEP_ROWS_COPY", "1")
-    for copying in engine(tiny_model, max_model_len=1024, num_gpu_blocks_override=96):
-        assert_hits_chunks_and_decodes_match_the_lone_runs(copying, reference, first_seed=61)
-
-
 def test_engine_without_routed_experts_runs_unchanged_under_the_plugin(tiny_model, reference):
     for plain in engine(tiny_model, max_model_len=512, num_gpu_blocks_override=64,
                         enable_return_routed_experts=False):

@@ -141,31 +141,6 @@ def test_v2_step_routing_hands_vllm_its_lists_in_the_storage_dtype():
 
 
 @only_before_031
-@pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_the_rows_vllm_gets_are_the_snapshots_own_unless_a_copy_is_asked_for(runner, monkeypatch):
-    from slotroute.vllm.runner_v2 import StepRouting
-    from slotroute.vllm.worker import as_vllm_lists
-
-    def ship(pending):
-        return as_vllm_lists(pending) if runner == "v1" else StepRouting(pending).tolists()
-
-    monkeypatch.delenv("SLOTROUTE_STEP_ROWS_COPY", raising=False)
-    pending = pending_step([[1, 2], [3, 4]], [40, 41])
-    assert np.shares_memory(ship(pending).routing_data, pending.arrays()[0])
-
-    monkeypatch.setenv("SLOTROUTE_STEP_ROWS_COPY", "1")
-    pending = pending_step([[1, 2], [3, 4]], [40, 41])
-    lists = ship(pending)
-    rows = pending.arrays()[0]
-    assert not np.shares_memory(lists.routing_data, rows)
-    np.testing.assert_array_equal(lists.routing_data, rows)
-    assert lists.routing_data.dtype == rows.dtype and lists.routing_data.flags.c_contiguous
-    rows[...] = 0  # the memory the snapshot's rows live in, written again later
-    np.testing.assert_array_equal(lists.routing_data[:, 1], [[2, 3], [4, 5]])
-    np.testing.assert_array_equal(lists.slot_mapping, [40, 41])
-
-
-@only_before_031
 def test_v2_step_routing_with_an_out_of_range_id_ships_no_rows_for_its_slots():
     from slotroute.vllm.runner_v2 import StepRouting
     from slotroute.vllm.scheduler import is_failed_step

@@ -30,13 +30,6 @@ Environment:
     on a CUDA device, where each copy is a kernel in the step's graph; one per layer
     on the CPU, where each is a memcpy.
 
-``SLOTROUTE_STEP_ROWS_COPY=1``
-    vLLM 0.28-0.30: each step's rows reach vLLM's scheduler as a copy in memory of
-    their own, instead of a view of the pinned host memory the GPU wrote them into.
-    vLLM keeps a view of each decode row until its request finishes and then
-    concatenates them; an option to measure which memory serves that better
-    (``benchmarks/gpu_engine.py``'s ``slotroute-rows-copy``).
-
 Importing this package does not import vLLM; :func:`register` does.
 """
 
@@ -48,7 +41,7 @@ import os
 import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
-           "STEP_ROWS_COPY_ENV", "capture_copy_once", "register", "unsupported_reason"]
+           "capture_copy_once", "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -65,9 +58,6 @@ READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
 # (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see
 # capture_copy_once.
 COPY_ONCE_ENV = "SLOTROUTE_CAPTURE_COPY_ONCE"
-# Set to 1 (vLLM 0.28-0.30): the rows a step ships are a copy of their own, not a view of
-# the worker's pinned host memory (worker.step_rows).
-STEP_ROWS_COPY_ENV = "SLOTROUTE_STEP_ROWS_COPY"
 MODES = ("slotroute", "cpu-capture-only")
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of

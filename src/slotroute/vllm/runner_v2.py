@@ -31,7 +31,7 @@ from vllm.v1.outputs import RoutedExpertsLists as VllmRoutedExpertsLists
 
 from slotroute.capture import PendingSnapshot
 from slotroute.vllm.patches import Patch
-from slotroute.vllm.worker import WorkerRouting, as_vllm_lists, step_rows, v2_execute_model
+from slotroute.vllm.worker import WorkerRouting, as_vllm_lists, v2_execute_model
 
 __all__ = ["StepCapture", "StepRouting", "v2_runner_patches"]
 
@@ -69,7 +69,7 @@ class StepRouting:
             arrays = self.pending.arrays()
         except ValueError:
             return as_vllm_lists(self.pending)  # logs it and ships the failed step's slots
-        return None if arrays is None else VllmRoutedExpertsLists(step_rows(arrays[0]), arrays[1])
+        return None if arrays is None else VllmRoutedExpertsLists(*arrays)
 
 
 class StepCapture:

@@ -27,11 +27,11 @@ from vllm.model_executor.layers.fused_moe.routed_experts_capturer import (
 )
 
 from slotroute.capture import BatchLayout, PendingSnapshot, RoutedExpertsCapturer
-from slotroute.vllm import COPY_ONCE_ENV, LOGGER_NAME, STEP_ROWS_COPY_ENV, capture_copy_once
+from slotroute.vllm import COPY_ONCE_ENV, LOGGER_NAME, capture_copy_once
 from slotroute.vllm.routing import attention_gid, routing_spec
 from slotroute.wire import RoutedExpertsLists, StepFailure
 
-__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output", "step_rows", "v2_execute_model"]
+__all__ = ["WorkerRouting", "as_vllm_lists", "incomplete_capture", "step_output", "v2_execute_model"]
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -296,17 +296,7 @@ def as_vllm_lists(pending: PendingSnapshot):
         return _vllm_lists_type()(routing_data=rows, slot_mapping=slots)
     if arrays is None:
         return None
-    return _vllm_lists_type()(routing_data=step_rows(arrays[0]), slot_mapping=arrays[1])
-
-
-def step_rows(rows: np.ndarray) -> np.ndarray:
-    """The rows of a resolved snapshot as vLLM 0.28-0.30's scheduler gets them:
-    ``rows`` itself, a view of the pinned host memory the step's copy (or kernel) wrote,
-    or, with ``SLOTROUTE_STEP_ROWS_COPY=1``, a copy in memory of its own. vLLM keeps a
-    view of each request's decode row until the request finishes, and then
-    concatenates them; the copy costs one memcpy of the step's rows. Bounded by an
-    environment lookup, and the memcpy where it copies."""
-    return rows.copy() if os.environ.get(STEP_ROWS_COPY_ENV) == "1" else rows
+    return _vllm_lists_type()(routing_data=arrays[0], slot_mapping=arrays[1])
 
 
 @functools.cache
