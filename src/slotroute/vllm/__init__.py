@@ -22,7 +22,9 @@ Environment:
 ``SLOTROUTE_LAZY_STORE=1``
     The scheduler's store is paged in as steps first write each page, instead of
     being committed when the engine starts (its whole capacity, ``routed_experts``
-    bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
+    bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4); on vLLM
+    0.28-0.30 the memory of the prompt reads (up to 256 MiB, ``routing.py``,
+    ``_ResultPool``) is then made as reads need it, not written through at start.
 ``SLOTROUTE_CAPTURE_COPY_ONCE``
     ``1``: the worker writes a step's routing into its capture buffer with one kernel
     after the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
