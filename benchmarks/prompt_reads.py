@@ -23,7 +23,6 @@ import argparse
 import collections
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ ALLOCATORS = {"glibc default": {}, "mmap threshold fixed at 128 KiB": {"MALLOC_M
 
 def child(args: argparse.Namespace) -> None:
     from slotroute.store import RoutedExpertsManager
-    from slotroute.tools.bench import BLOCK_SIZE, PRESETS, STEP_TOKENS
+    from slotroute.tools.bench import BLOCK_SIZE, PRESETS, STEP_TOKENS, minor_faults
     from slotroute.vllm import routing as routing_module
 
     spec = PRESETS[args.preset]
@@ -45,7 +44,7 @@ def child(args: argparse.Namespace) -> None:
     if args.chunk_bytes:
         routing_module.CHUNK_BYTES = args.chunk_bytes
     routing = routing_module.SlotRouting(store, attn_gid=0)
-    routing._results.reserve(routing_module.RESERVE_BYTES)  # as SchedulerRouting.for_vllm does
+    routing.reserve_reads()  # as SchedulerRouting.for_vllm has it done
     rng = np.random.default_rng(0)
     data = rng.integers(0, spec.num_experts, (STEP_TOKENS, *spec.token_shape)).astype(spec.storage_dtype)
     per_read = args.prompt_tokens // BLOCK_SIZE
@@ -72,11 +71,6 @@ def child(args: argparse.Namespace) -> None:
     warm = args.steps // 5
     print(json.dumps({**{way: 1e3 * statistics.median(t[warm:]) for way, t in took.items()},
                       **{f"{way} faults": n / (args.steps * reads) for way, n in faults.items()}}))
-
-
-def minor_faults() -> int:
-    """Minor page faults of the calling thread so far."""
-    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
 def main() -> None:

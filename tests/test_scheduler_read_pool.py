@@ -8,7 +8,6 @@ page faults.
 
 from __future__ import annotations
 
-import resource
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,6 +15,7 @@ import pytest
 
 from slotroute.spec import RoutingSpec
 from slotroute.store import RoutedExpertsManager
+from slotroute.tools.bench import minor_faults
 from slotroute.vllm import routing as routing_module
 from slotroute.vllm.routing import SlotRouting
 
@@ -140,11 +140,6 @@ def test_a_missed_read_from_the_pool_still_fails_its_request_alone(routing):
     np.testing.assert_array_equal(kept, expected(rows, blocks_from(0, 2), 32))
 
 
-def minor_faults() -> int:
-    """Minor page faults of the calling thread so far."""
-    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
-
-
 def test_reads_into_reserved_memory_take_no_page_faults_while_their_results_are_all_kept():
     # A rollout's shape: every prompt's rows alive until the end (NOTE 1 of _ResultPool).
     spec = RoutingSpec(num_layers=48, top_k=8, num_experts=128)  # 384 B a token
@@ -152,8 +147,7 @@ def test_reads_into_reserved_memory_take_no_page_faults_while_their_results_are_
     routing.store.populate()
     data = np.random.default_rng(0).integers(0, 128, (routing.store.num_slots, *spec.token_shape))
     routing.store.store_batch(data.astype(spec.storage_dtype), np.arange(routing.store.num_slots))
-    routing._results.reserve(routing_module.RESERVE_BYTES)
-    assert routing._results.nbytes == routing.store.num_slots * spec.bytes_per_token  # capped at the store's size
+    assert routing.reserve_reads() == routing.store.num_slots * spec.bytes_per_token  # capped at the store's size
     reads = [blocks_from(64 * r, 64, 4096) for r in range(48)]  # 48 prompts of 1,024 tokens: 18 MiB kept
     before = minor_faults()
     kept = [routing.read(blocks, 1024) for blocks in reads]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -479,6 +480,12 @@ def bench_preset(spec: RoutingSpec, rounds: int, progress=None) -> list[Row]:
             tf["memcpy"], None, ">= 0.8x fancy index", tf["memcpy"] / tf["ours"] >= 0.8,
         ),
     ]
+
+
+def minor_faults() -> int:
+    """Minor page faults of the calling thread so far (of the process where the
+    platform counts none per thread)."""
+    return resource.getrusage(getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)).ru_minflt
 
 
 def _rss_bytes() -> int | None:

@@ -241,14 +241,19 @@ class SlotRouting:
         # The store's NOTE 4: page faults at start, not in the steps that first write each page.
         started = time.perf_counter()
         committed = store.populate()
-        if prompt_reads:
-            routing._results.reserve(RESERVE_BYTES)
-            committed += routing._results.nbytes
+        reserved = routing.reserve_reads() if prompt_reads else 0
         logger.info("slotroute: scheduler keeps routing in %r, %.1f MiB committed in %.0f ms%s (%s=1 pages it "
-                    "in as steps write it)", store, committed / 2**20, 1e3 * (time.perf_counter() - started),
-                    f", {routing._results.nbytes / 2**20:.1f} MiB of it for prompt reads" if prompt_reads else "",
-                    LAZY_STORE_ENV)
+                    "in as steps write it)", store, (committed + reserved) / 2**20,
+                    1e3 * (time.perf_counter() - started),
+                    f", {reserved / 2**20:.1f} MiB of it for prompt reads" if prompt_reads else "", LAZY_STORE_ENV)
         return routing
+
+    def reserve_reads(self) -> int:
+        """Write through the memory :meth:`read`'s results land in, up to
+        ``RESERVE_BYTES`` and never more than the store holds (``_ResultPool``'s NOTE 1);
+        the bytes it holds."""
+        self._results.reserve(RESERVE_BYTES)
+        return self._results.nbytes
 
     def connect(self, block_pool) -> None:
         """Watch vLLM's block pool: blocks it hands out for new data are invalidated
