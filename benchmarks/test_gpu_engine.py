@@ -609,3 +609,69 @@ def test_children_recorded_before_machines_were_count_as_one_machine_other_than_
                 dict(round=2, config="slotroute")]
     assert gpu_engine.summarize(children)["rounds"] == [1]
     assert gpu_engine.resume_on(children, "b/2") == ([], True)  # nothing begun elsewhere; a warm-up first
+
+
+def passes_of(*walls):
+    """Passes of a workload as a child records them, each with its wall time."""
+    return [dict(wall_s=w, tok_s=1000 / w, req_min=100 / w, host_pool_chunks_added=i, host_pool_bytes_added=i << 20,
+                 reads_past_pool=2 * i) for i, w in enumerate(walls)]
+
+
+@pytest.mark.parametrize(("walls", "kept"), [((10.0, 12.0, 11.0), 2), ((13.0, 10.0, 11.0), 2), ((11.0, 10.0), 1),
+                                             ((10.5, 10.0, 11.0, 10.2), 3)])
+def test_a_childs_figures_are_its_middle_pass_by_wall_time_with_every_pass_kept(walls, kept):
+    result = gpu_engine.middle_pass(passes_of(*walls))
+    assert result["pass_kept"] == kept and result["wall_s"] == walls[kept]
+    assert [p["wall_s"] for p in result["passes"]] == list(walls)
+    # memory added in any pass counts, not only the kept one's
+    assert result["host_pool_chunks_added"] == sum(range(len(walls)))
+    assert result["host_pool_bytes_added"] == sum(range(len(walls))) << 20
+    assert result["reads_past_pool"] == 2 * sum(range(len(walls)))
+
+
+def test_one_pass_is_the_childs_figures_as_they_are():
+    one = passes_of(10.0)
+    assert gpu_engine.middle_pass(one) is one[0] and "passes" not in one[0]
+
+
+def test_comparisons_of_children_with_passes_also_compare_their_first_passes_and_the_report_prints_them():
+    def with_passes(round_, config, first, kept):
+        c = child(round_, config, kept)
+        c["results"]["rollout"]["passes"] = [dict(wall_s=1.0, tok_s=first, req_min=first / 10),
+                                             dict(wall_s=1.0, tok_s=kept, req_min=kept / 10)]
+        return c
+
+    children = [with_passes(r, c, first, kept) for r, c, first, kept in [
+        (1, "off", 100, 100), (1, "slotroute", 95, 99.6), (2, "off", 104, 102), (2, "slotroute", 96, 101.8),
+        (3, "off", 98, 101), (3, "slotroute", 94, 100.7)]]
+    comparison = gpu_engine.summarize(children)["comparisons"]["rollout: slotroute / off (tok_s)"]
+    # the verdict is the kept passes': every round within 0.2-0.4% of off
+    assert comparison["round_ratios"] == pytest.approx([0.996, 101.8 / 102, 100.7 / 101])
+    assert gpu_engine.verdict_of(comparison) == "met in every round: resolved"
+    first = comparison["first_passes"]
+    assert first["round_ratios"] == pytest.approx([0.95, 96 / 104, 94 / 98])
+    assert first["ratio_of_medians"] == pytest.approx(95 / 100)
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "first pass alone" in report and "| rollout: slotroute / off (tok_s) | 0.9500 | 0.9500, 0.9231, 0.9592 |" in report
+
+
+def test_children_of_one_pass_have_no_first_pass_comparison():
+    children = [child(r, c, v) for r, c, v in [(1, "off", 100), (1, "slotroute", 99.5)]]
+    summary = gpu_engine.summarize(children)
+    assert "first_passes" not in summary["comparisons"]["rollout: slotroute / off (tok_s)"]
+    assert "first pass alone" not in gpu_engine.report(summary, "h")
+
+
+def test_passes_are_part_of_the_setup_a_run_is_continued_with(tmp_path):
+    pytest.importorskip("vllm")
+    path = str(tmp_path / "run.json")
+
+    def call(*options):
+        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0", *options],
+                              capture_output=True, text=True)
+
+    assert call("--passes", "3").returncode == 0
+    assert json.loads(pathlib.Path(path).read_text())["setup"]["passes"] == 3
+    other = call()  # one pass a child: another setup
+    assert other.returncode != 0 and "passes: 3 there, None asked" in other.stderr
+    assert call("--passes", "0").returncode != 0

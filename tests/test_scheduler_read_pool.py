@@ -94,6 +94,10 @@ def test_a_full_pool_hands_out_arrays_of_their_own(monkeypatch):
     assert pooled(routing, kept[0][0]) and not pooled(routing, kept[-1][0])
     for result, blocks in kept:
         np.testing.assert_array_equal(result, expected(rows, blocks, 64))
+    # what the pool holds, and each read that got an array of its own, counted
+    held, past = routing.read_pool()
+    assert held == routing._results.nbytes
+    assert past == sum(not pooled(routing, result) for result, _ in kept) > 0
 
 
 def test_pooled_reads_equal_the_stores_rows_over_random_reads(routing):

@@ -110,7 +110,7 @@ class _ResultPool:
     """
 
     __slots__ = ("_row_shape", "_dtype", "_row_bytes", "_chunks", "_array", "_offset", "_next", "_chunk_bytes",
-                 "_limit", "_idle_refs", "nbytes")
+                 "_limit", "_idle_refs", "nbytes", "past")
 
     def __init__(self, spec: RoutingSpec, chunk_bytes: int, limit: int) -> None:
         self._row_shape, self._dtype, self._row_bytes = spec.token_shape, spec.storage_dtype, spec.bytes_per_token
@@ -121,6 +121,7 @@ class _ResultPool:
         self._chunk_bytes, self._limit = chunk_bytes, limit
         self._idle_refs = 0  # sys.getrefcount of a chunk no view of which is alive, measured on the first
         self.nbytes = 0  # bytes the pool holds
+        self.past = 0  # takes that found no span: every chunk that would fit in use, the pool at its limit
 
     def take(self, rows: int) -> np.ndarray | None:
         """A C-contiguous ``(rows, num_layers, top_k)`` array of the storage dtype on a
@@ -134,6 +135,7 @@ class _ResultPool:
         if self._array is None or start + nbytes > len(self._array):
             self._array = self._free_chunk(nbytes)
             if self._array is None:
+                self.past += 1
                 return None
             start = 0
         self._offset = start + -(-nbytes // 64) * 64  # each span on whole cache lines
@@ -254,6 +256,11 @@ class SlotRouting:
         the bytes it holds."""
         self._results.reserve(RESERVE_BYTES)
         return self._results.nbytes
+
+    def read_pool(self) -> tuple[int, int]:
+        """The bytes of memory :meth:`read`'s results land in, and how many reads found
+        none of it free (each got an array of its own, as before the pool)."""
+        return self._results.nbytes, self._results.past
 
     def connect(self, block_pool) -> None:
         """Watch vLLM's block pool: blocks it hands out for new data are invalidated
