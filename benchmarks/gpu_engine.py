@@ -85,6 +85,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+LOADED = time.perf_counter()  # a child's clock from here: its imports, start, workloads, exit
+
 CONFIGS = ("off", "vllm", "slotroute")
 # Run only when named in --configs: slotroute with its store paged in as steps write it
 # (``SLOTROUTE_LAZY_STORE=1``), against which the same run measures the store committed
@@ -415,7 +417,9 @@ def child(args) -> None:
                 raise AssertionError(f"routed_experts {None if routed is None else routed.shape}, {expected} rows expected")
         return outputs
 
+    warmed = time.perf_counter()
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
+    warm_up_s = time.perf_counter() - warmed
     profiles = {}
     for name, (count, prompt_len, generated) in PROFILES.items() if args.profile else ():
         llm.reset_prefix_cache()
@@ -493,6 +497,10 @@ def child(args) -> None:
         cudagraph_mode=str(config.compilation_config.cudagraph_mode),
         async_scheduling=bool(config.scheduler_config.async_scheduling),
         host_reserved_bytes=pool["reserved"], **({"profile": profiles} if args.profile else {}),
+        # where a child's time outside its engine start and workloads goes: vLLM's import
+        # before the start, the short warm-up after it, and (the parent's wall time less
+        # elapsed_s) Python's start and the exit after this line
+        import_s=started - LOADED, warm_up_s=warm_up_s, elapsed_s=time.perf_counter() - LOADED,
     )), flush=True)
 
 
@@ -1240,7 +1248,9 @@ def main() -> None:
             pool += "".join(f"; {w}: prompt reads {r['read_pool_bytes'] / 2**20:.1f} MiB written through, "
                             f"{r['reads_past_pool']} reads past them" for w, r in entry["results"].items()
                             if "read_pool_bytes" in r)
-            print(f"round {entry['round']} {entry['config']}: start {entry['start_s']:.0f} s, "
+            exit_s = entry["wall_s"] - entry["elapsed_s"]
+            print(f"round {entry['round']} {entry['config']}: import {entry['import_s']:.0f} s, start "
+                  f"{entry['start_s']:.0f} s, warm-up {entry['warm_up_s']:.0f} s, Python's start and exit {exit_s:.0f} s, "
                   + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" + ("" if "passes" not in r else
                                                               " (passes " + ", ".join(f"{p['tok_s']:.0f}" for p in r["passes"]) + ")")
                               for w, r in entry["results"].items()) + pool, flush=True)
