@@ -874,6 +874,9 @@ def summarize(children: list[dict]) -> dict:
             kinds = [step_kinds(r) for r in runs]
             if runs and all(k is not None for k in kinds):
                 by_config[config]["step_kinds"] = {key: _spread([k[key] for k in kinds]) for key in kinds[0]}
+            by_config[config]["per_round"] = _per_round(
+                sorted((c for c in rounds if c["config"] == config and workload in c["results"]),
+                       key=lambda c: c["round"]), workload)
         summary["configs"][workload] = by_config
         for config, against, claim in COMPARISONS:
             if config not in by_config or against not in by_config:
@@ -904,6 +907,27 @@ def summarize(children: list[dict]) -> dict:
     summary["routing_calls"] = _routing_calls(children)
     summary["device_profile"] = device_profiles(children)
     return summary
+
+
+# The per-round table's columns: (heading, where a child's figure comes from: its
+# workload's result, or the step kinds of it (step_kinds), and the key there).
+PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds", "prompt_ms"),
+             ("prompt steps' update_from_output", "kinds", "prompt_update_ms"),
+             ("decode-only steps' intervals", "kinds", "decode_ms"), ("turn starts", "result", "turn_start_ms"),
+             ("of them, adding the requests", "result", "turn_add_ms"))
+
+
+def _per_round(children: list[dict], workload: str) -> dict:
+    """One configuration's figures on ``workload`` in each of its counted ``children``
+    (in round order), per ``PER_ROUND`` column: a list of one value a round, or None
+    where some child lacks the figure."""
+    figures: dict = {"round": [c["round"] for c in children]}
+    kinds = [step_kinds(c["results"][workload]) or {} for c in children]
+    for _, source, key in PER_ROUND:
+        values = [(c["results"][workload] if source == "result" else k).get(key)
+                  for c, k in zip(children, kinds)]
+        figures[key] = None if None in values else values
+    return figures
 
 
 def _ratios(rounds: list[dict], workload: str, config: str, against: str, value) -> tuple[float, list[float]]:
@@ -1060,6 +1084,17 @@ def report(summary: dict, header: str) -> str:
                 cells = ["-" if f"{kind}_{name}_ms" not in k else _spread_cell(k[f"{kind}_{name}_ms"])
                          for kind in ("prompt", "decode") for name in ("update", "schedule", "output")]
                 lines.append(f"| {workload} | {config} | " + " | ".join(cells) + " |")
+    per_round = [(workload, config, m["per_round"]) for workload, by_config in summary["configs"].items()
+                 for config, m in by_config.items() if "per_round" in m]
+    if per_round:
+        lines += ["", "Per round, in round order (ms; wall s in seconds):", "",
+                  "| workload | config | rounds | " + " | ".join(heading for heading, _, _ in PER_ROUND) + " |",
+                  "|---" * (3 + len(PER_ROUND)) + "|"]
+        for workload, config, figures in per_round:
+            cells = ["-" if figures[key] is None else ", ".join(
+                f"{v:.2f}" if key == "wall_s" else f"{v:.0f}" for v in figures[key]) for _, _, key in PER_ROUND]
+            lines.append(f"| {workload} | {config} | {', '.join(map(str, figures['round']))} | "
+                         + " | ".join(cells) + " |")
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
 

@@ -675,3 +675,25 @@ def test_passes_are_part_of_the_setup_a_run_is_continued_with(tmp_path):
     other = call()  # one pass a child: another setup
     assert other.returncode != 0 and "passes: 3 there, None asked" in other.stderr
     assert call("--passes", "0").returncode != 0
+
+
+def test_the_report_gives_each_configurations_figures_round_by_round_in_round_order():
+    def timed(round_, config, wall, turn_start, add=None):
+        c = child(round_, config, 100.0)
+        c["results"]["rollout"].update(wall_s=wall, turn_start_ms=turn_start, turn_add_ms=add)
+        return c
+
+    # slotroute ran first in round 2: the table still goes round 1, round 2
+    children = [timed(1, "off", 10.75, 109, 63), timed(1, "slotroute", 10.85, 145, 98),
+                timed(2, "slotroute", 10.79, 106, 63), timed(2, "off", 10.77, 107, 63)]
+    summary = gpu_engine.summarize(children)
+    figures = summary["configs"]["rollout"]["slotroute"]["per_round"]
+    assert figures["round"] == [1, 2] and figures["wall_s"] == [10.85, 10.79] and figures["turn_start_ms"] == [145, 106]
+    # no child recorded its steps: those columns are left out, not made up
+    assert figures["prompt_ms"] is None and figures["decode_ms"] is None
+    report = gpu_engine.report(summary, "h")
+    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 |" in report
+    # a child without the adding figure: that column is "-" for its configuration
+    children[0]["results"]["rollout"]["turn_add_ms"] = None
+    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - |" in gpu_engine.report(
+        gpu_engine.summarize(children), "h")
