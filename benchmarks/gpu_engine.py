@@ -457,6 +457,7 @@ def child(args) -> None:
                 prompts = [h + turn_rng.integers(1000, 150000, turn_gen).tolist() for h in history]
         wall = time.perf_counter() - began
         steps = max(timer.calls.get("steps", 0), 1)
+        read_memory = read_pool() if read_pool else None
         return dict(
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
             bytes_per_step=sum(shipped) / steps,
@@ -474,8 +475,8 @@ def child(args) -> None:
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
-            **({} if read_pool is None else dict(read_pool_bytes=read_pool()[0],
-                                                 reads_past_pool=read_pool()[1] - past_before)),
+            **({} if read_memory is None else dict(read_pool_bytes=read_memory[0],
+                                                   reads_past_pool=read_memory[1] - past_before)),
             **timeline(generate_calls, wall),
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
@@ -865,7 +866,9 @@ def summarize(children: list[dict]) -> dict:
     for workload in workloads_seen:
         by_config: dict[str, dict] = {}
         for config in dict.fromkeys(c["config"] for c in rounds):
-            runs = [c["results"][workload] for c in rounds if c["config"] == config and workload in c["results"]]
+            ran = sorted((c for c in rounds if c["config"] == config and workload in c["results"]),
+                         key=lambda c: c["round"])
+            runs = [c["results"][workload] for c in ran]
             by_config[config] = {metric: _spread([r[metric] for r in runs]) for metric in METRICS}
             by_config[config].update({
                 metric: _spread([r[metric] for r in runs]) for metric in TIMELINE + TIMELINE_LATER
@@ -874,9 +877,7 @@ def summarize(children: list[dict]) -> dict:
             kinds = [step_kinds(r) for r in runs]
             if runs and all(k is not None for k in kinds):
                 by_config[config]["step_kinds"] = {key: _spread([k[key] for k in kinds]) for key in kinds[0]}
-            by_config[config]["per_round"] = _per_round(
-                sorted((c for c in rounds if c["config"] == config and workload in c["results"]),
-                       key=lambda c: c["round"]), workload)
+            by_config[config]["per_round"] = _per_round([c["round"] for c in ran], runs, kinds)
         summary["configs"][workload] = by_config
         for config, against, claim in COMPARISONS:
             if config not in by_config or against not in by_config:
@@ -917,15 +918,13 @@ PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds"
              ("of them, adding the requests", "result", "turn_add_ms"))
 
 
-def _per_round(children: list[dict], workload: str) -> dict:
-    """One configuration's figures on ``workload`` in each of its counted ``children``
-    (in round order), per ``PER_ROUND`` column: a list of one value a round, or None
-    where some child lacks the figure."""
-    figures: dict = {"round": [c["round"] for c in children]}
-    kinds = [step_kinds(c["results"][workload]) or {} for c in children]
+def _per_round(rounds: list[int], runs: list[dict], kinds: list[dict | None]) -> dict:
+    """One configuration's figures on a workload in each of its counted ``rounds``
+    (its ``runs``' results and their ``step_kinds``, in round order), per ``PER_ROUND``
+    column: a list of one value a round, or None where some run lacks the figure."""
+    figures: dict = {"round": rounds}
     for _, source, key in PER_ROUND:
-        values = [(c["results"][workload] if source == "result" else k).get(key)
-                  for c, k in zip(children, kinds)]
+        values = [(run if source == "result" else kind or {}).get(key) for run, kind in zip(runs, kinds)]
         figures[key] = None if None in values else values
     return figures
 
