@@ -53,7 +53,9 @@ committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's r
 read when it finishes, none of its prompt's read ahead while it decodes
 (``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-per-layer``: the worker's capture
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
-instead of once after the last MoE layer; each compared with slotroute in the same rounds.
+instead of once after the last MoE layer, and ``slotroute-fresh-reads``: on vLLM 0.28-0.30,
+each whole-prompt read in an array of its own (``SLOTROUTE_READ_POOL=0``) instead of in
+memory written through at start; each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
 workloads N times in its engine, each pass on an empty prefix cache: a child's figures
@@ -94,13 +96,17 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
 # and slotroute copying each MoE layer's routing as its router runs
 # (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer")
+# And on vLLM 0.28-0.30, slotroute with each whole-prompt read in an array of its own
+# (``SLOTROUTE_READ_POOL=0``), against which it measures the reads' memory written
+# through at start.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-fresh-reads")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
-              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"}}
+              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
+              "slotroute-fresh-reads": {"SLOTROUTE_READ_POOL": "0"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -126,13 +132,15 @@ class Timer:
     in others, kept out of the totals). With ``count_faults``, also the minor page
     faults of the calling thread during each call, by ``label:method`` (a first touch
     of memory the allocator mapped fresh; two ``getrusage`` calls a call, so only the
-    warm-up children count them)."""
+    warm-up children count them, but for a method wrapped with ``count_faults=True``),
+    and every call's faults (``fault_samples``)."""
 
     def __init__(self, count_faults: bool = False) -> None:
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.samples: dict[str, list[float]] = {}  # every call's seconds, by label:method
         self.faults: dict[str, int] = {}  # minor page faults, by label:method, where counted
+        self.fault_samples: dict[str, list[int]] = {}  # every counted call's, by label:method
         self._count_faults = count_faults and hasattr(resource, "RUSAGE_THREAD")
         self.gc_seconds: dict[int, float] = {}  # the garbage collector's, by generation
         self.gc_runs: dict[int, int] = {}
@@ -147,10 +155,11 @@ class Timer:
             self.gc_seconds[generation] = self.gc_seconds.get(generation, 0.0) + time.perf_counter() - self._gc_started
             self.gc_runs[generation] = self.gc_runs.get(generation, 0) + 1
 
-    def wrap(self, owner, name: str, label: str, on_call=None) -> None:
+    def wrap(self, owner, name: str, label: str, on_call=None, count_faults: bool | None = None) -> None:
         inner = getattr(owner, name)
         keys = (label, f"{label}:{name}")
-        seconds, calls, samples, faults = self.seconds, self.calls, self.samples, self.faults
+        seconds, calls, samples, faults, fault_samples = (self.seconds, self.calls, self.samples, self.faults,
+                                                          self.fault_samples)
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -167,13 +176,18 @@ class Timer:
         def counted(*args, **kwargs):
             before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
             result = timed(*args, **kwargs)
-            faults[keys[1]] = faults.get(keys[1], 0) + resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+            took = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+            faults[keys[1]] = faults.get(keys[1], 0) + took
+            fault_samples.setdefault(keys[1], []).append(took)
             return result
 
-        setattr(owner, name, counted if self._count_faults else timed)
+        if count_faults is not None:
+            count_faults = count_faults and hasattr(resource, "RUSAGE_THREAD")
+        setattr(owner, name, counted if (self._count_faults if count_faults is None else count_faults) else timed)
 
     def reset(self) -> None:
-        for kept in (self.seconds, self.calls, self.samples, self.faults, self.gc_seconds, self.gc_runs):
+        for kept in (self.seconds, self.calls, self.samples, self.faults, self.fault_samples, self.gc_seconds,
+                     self.gc_runs):
             kept.clear()
 
 
@@ -372,11 +386,19 @@ def child(args) -> None:
     call_requests: list[int] = []  # per generate call, its requests
     # per generate call, each step's host us in vLLM's update_from_output and schedule, and in the
     # front end's process_outputs (LLMEngine.step's), in order: what each kind of step costs the host
+    finished: list[int] = []  # each process_outputs call's requests finished (their rows joined there)
     if hasattr(getattr(llm.llm_engine, "output_processor", None), "process_outputs"):
-        timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output")
+        # its page faults too, in every configuration alike (two getrusage calls a step): a
+        # finishing request's rows are joined into a new array there, memory the allocator
+        # may hand out fresh
+        timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output", count_faults=True,
+                   on_call=lambda args, result: finished.append(
+                       sum(bool(getattr(o, "finished", False)) for o in getattr(result, "request_outputs", ()))))
     host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule",
                    "output": "output:process_outputs"}
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
+    call_output_faults: list[list[int]] = []  # per generate call, each process_outputs call's page faults
+    call_finished: list[list[int]] = []  # per generate call, each process_outputs call's requests finished
     # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
     engine_runs: list[float] = []
     call_added_s: list[float | None] = []  # per generate call, the seconds it took to add its requests
@@ -400,12 +422,15 @@ def child(args) -> None:
         called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
         first_run = len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
+        first_faults, first_finished = len(timer.fault_samples.get(host_series["output"], ())), len(finished)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
         call_schedules.append(scheduled[first_schedule:])
         call_requests.append(len(prompts))
         for name, key in host_series.items():
             call_host_us[name].append([round(1e6 * t) for t in timer.samples.get(key, [])[first_host[name]:]])
+        call_output_faults.append(timer.fault_samples.get(host_series["output"], [])[first_faults:])
+        call_finished.append(finished[first_finished:])
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
@@ -434,7 +459,7 @@ def child(args) -> None:
         generate_calls.clear()
         call_schedules.clear()
         call_requests.clear()
-        for calls in call_host_us.values():
+        for calls in (*call_host_us.values(), call_output_faults, call_finished):
             calls.clear()
         call_added_s.clear()
         pool.update(added=0, added_bytes=0)
@@ -480,6 +505,7 @@ def child(args) -> None:
             **timeline(generate_calls, wall),
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
+            **finishing(call_host_us["output"], call_output_faults, call_finished),
             # the part of the turn starts spent adding the requests, before the engine's first step
             turn_add_ms=None if None in call_added_s else 1e3 * sum(
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
@@ -585,6 +611,23 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
         # every step, to compare configurations step by step (their schedules are the same)
         step_intervals_ms=[[round(1e3 * interval, 3) for interval in call] for call in intervals],
     )
+
+
+def finishing(output_us: list[list[int]], output_faults: list[list[int]], finished: list[list[int]]) -> dict:
+    """The steps in which requests finished, from each ``generate`` call's
+    ``process_outputs`` calls (each one's host us, page faults and requests finished, in
+    order): there vLLM's front end joins each finishing request's rows into a new
+    array (0.28-0.30; 0.31+ hand it whole), so what a routing path's rows cost to join
+    shows there, at a turn's end with little or no forward left to hide it. Their
+    ``process_outputs`` ms and page faults, summed over the calls (``None`` where some
+    call's figures are missing: a vLLM without the method, or a platform that counts no
+    faults)."""
+    if not finished or any(len(f) != len(us) or len(f) != len(flt)
+                           for us, flt, f in zip(output_us, output_faults, finished)) or len(output_us) != len(finished):
+        return dict(finishing_output_ms=None, finishing_faults=None)
+    steps = [(us, flt) for call_us, call_faults, call_finished in zip(output_us, output_faults, finished)
+             for us, flt, done in zip(call_us, call_faults, call_finished) if done]
+    return dict(finishing_output_ms=sum(us for us, _ in steps) / 1e3, finishing_faults=sum(flt for _, flt in steps))
 
 
 # Counts a child's figures sum over its passes rather than take from the kept one.
@@ -821,7 +864,7 @@ RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
-               ("slotroute", "slotroute-per-layer", None))
+               ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-fresh-reads", None))
 
 
 def split_rounds(children: list[dict]) -> list[int]:
@@ -915,7 +958,9 @@ def summarize(children: list[dict]) -> dict:
 PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds", "prompt_ms"),
              ("prompt steps' update_from_output", "kinds", "prompt_update_ms"),
              ("decode-only steps' intervals", "kinds", "decode_ms"), ("turn starts", "result", "turn_start_ms"),
-             ("of them, adding the requests", "result", "turn_add_ms"))
+             ("of them, adding the requests", "result", "turn_add_ms"),
+             ("finishing steps' process_outputs", "result", "finishing_output_ms"),
+             ("their page faults", "result", "finishing_faults"))
 
 
 def _per_round(rounds: list[int], runs: list[dict], kinds: list[dict | None]) -> dict:

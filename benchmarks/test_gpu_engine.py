@@ -87,6 +87,45 @@ def test_the_warm_up_timer_counts_the_page_faults_of_each_call_and_the_report_na
     assert "- slotroute rollout: get 206 (96 page faults a call), store_batch 117\n" in report + "\n"
 
 
+def test_a_method_wrapped_to_count_faults_keeps_each_calls_faults_whatever_the_timer_counts():
+    import mmap
+
+    class Front:
+        @staticmethod
+        def process_outputs(pages):
+            region = mmap.mmap(-1, max(pages, 1) * 4096)
+            for page in range(pages):
+                region[page * 4096] = 1
+            region.close()
+
+    timer = gpu_engine.Timer()  # a counted child's: no other method counts faults
+    timer.wrap(Front, "process_outputs", "output", count_faults=True)
+    for pages in (0, 256, 0):
+        Front.process_outputs(pages)
+    if hasattr(gpu_engine.resource, "RUSAGE_THREAD"):
+        first, second, third = timer.fault_samples["output:process_outputs"]
+        assert second >= 256 and first < 16 and third < 16
+        assert timer.faults["output:process_outputs"] == first + second + third
+    timer.reset()
+    assert timer.fault_samples == {} and timer.samples == {}
+
+
+def test_the_finishing_steps_are_those_in_which_requests_finished_summed_over_the_calls():
+    us = [[100, 200, 9000, 300], [150, 7000, 250]]
+    faults = [[0, 1, 900, 2], [0, 800, 1]]
+    finished = [[0, 0, 64, 0], [0, 64, 0]]
+    assert gpu_engine.finishing(us, faults, finished) == dict(finishing_output_ms=16.0, finishing_faults=1700)
+    # a step counted for any request finished in it, not for how many
+    assert gpu_engine.finishing(us, faults, [[0, 1, 0, 0], [0, 0, 3]]) == dict(
+        finishing_output_ms=0.45, finishing_faults=2)
+    # figures that do not line up (a platform that counts no faults, a vLLM without the method): none
+    none = dict(finishing_output_ms=None, finishing_faults=None)
+    assert gpu_engine.finishing(us, [[], []], finished) == none
+    assert gpu_engine.finishing([[], []], [[], []], [[], []]) == dict(finishing_output_ms=0.0, finishing_faults=0)
+    assert gpu_engine.finishing([], [], []) == none
+    assert gpu_engine.finishing(us, faults, finished[:1]) == none
+
+
 def test_the_run_is_written_whole_by_a_rename(tmp_path):
     path = tmp_path / "run.json"
     path.write_text("an earlier run")
@@ -175,7 +214,8 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
     assert "not resolved" not in gpu_engine.report(gpu_engine.summarize(children), "h")
 
 
-@pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer"])
+@pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer",
+                                     "slotroute-fresh-reads"])
 def test_each_slotroute_variant_is_compared_with_slotroute_in_the_same_rounds_and_nothing_claimed(variant):
     children = [child(r, c, v) for r, c, v in [(1, "slotroute", 103), (1, variant, 100),
                                                (2, variant, 81), (2, "slotroute", 82)]]
@@ -203,10 +243,13 @@ def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
         PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="0")
     assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_CAPTURE_COPY_ONCE="0")) == dict(
         PATH="/bin")
+    assert gpu_engine.child_environment("slotroute-fresh-reads", inherited) == dict(PATH="/bin", SLOTROUTE_READ_POOL="0")
+    assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_READ_POOL="0")) == dict(PATH="/bin")
     assert inherited["SLOTROUTE_LAZY_STORE"] == "1"  # the parent's environment is left as it was
 
 
-KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish, slotroute-per-layer",
+KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish, slotroute-per-layer, "
+                      "slotroute-fresh-reads",
          "--workloads": "rollout, multi-turn, multi-turn-start"}
 
 
@@ -692,8 +735,12 @@ def test_the_report_gives_each_configurations_figures_round_by_round_in_round_or
     # no child recorded its steps: those columns are left out, not made up
     assert figures["prompt_ms"] is None and figures["decode_ms"] is None
     report = gpu_engine.report(summary, "h")
-    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 |" in report
+    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 | - | - |" in report
     # a child without the adding figure: that column is "-" for its configuration
     children[0]["results"]["rollout"]["turn_add_ms"] = None
-    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - |" in gpu_engine.report(
+    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - | - | - |" in gpu_engine.report(
         gpu_engine.summarize(children), "h")
+    # the finishing steps' front end, where every round has it
+    for c, ms, faults in zip(children, (2.0, 72.4, 66.0, 1.6), (3, 9100, 8400, 2)):
+        c["results"]["rollout"].update(finishing_output_ms=ms, finishing_faults=faults)
+    assert "| 145, 106 | 98, 63 | 72, 66 | 9100, 8400 |" in gpu_engine.report(gpu_engine.summarize(children), "h")

@@ -2,8 +2,8 @@
 ``SlotRouting.read``): chunks reused once their results are dropped, written through
 at start where vLLM 0.28-0.30's scheduler builds the routing. A result is never
 overwritten while it, a view of it or a buffer of it is alive; the rows are the
-store's; a full pool hands out arrays of their own; reads into reserved memory take no
-page faults.
+store's; a full pool hands out arrays of their own, as every read does with the pool
+switched off (``SLOTROUTE_READ_POOL=0``); reads into reserved memory take no page faults.
 """
 
 from __future__ import annotations
@@ -182,3 +182,32 @@ def test_vllm_0_28_to_0_30s_scheduler_reserves_the_reads_memory_at_start_and_the
     assert SlotRouting.for_vllm(config, kv)._results.nbytes == 0  # 0.31+: read() is not vLLM's path
     monkeypatch.setenv(LAZY_STORE_ENV, "1")
     assert SchedulerRouting.for_vllm(config, kv).core._results.nbytes == 0  # a host short of memory
+
+
+def test_with_the_read_pool_off_each_read_gets_an_array_of_its_own_and_nothing_is_reserved(monkeypatch):
+    from slotroute.vllm import READ_POOL_ENV
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    monkeypatch.setattr(routing_module, "attention_gid", lambda kv_cache_config: 0)
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: 6, get_num_experts_per_tok=lambda: 4,
+                            get_num_experts=lambda: 64)  # SPEC's shape
+    config = SimpleNamespace(model_config=model)
+    kv = SimpleNamespace(num_blocks=64, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))])
+    monkeypatch.setenv(READ_POOL_ENV, "0")
+    scheduler = SchedulerRouting.for_vllm(config, kv).core
+    assert scheduler.read_pool() == (0, 0)  # nothing written through at start
+    rows = fill(scheduler, 3)
+    reads = [(scheduler.read(blocks_from(i, 4), 60, i % 7), blocks_from(i, 4), i % 7) for i in range(8)]
+    assert scheduler._results._chunks == [] and all(result.flags.owndata for result, _, _ in reads)
+    for result, blocks, start in reads:
+        np.testing.assert_array_equal(result, expected(rows, blocks, 60, start))
+    assert scheduler.read_pool() == (0, len(reads))  # each counted as a read that got an array of its own
+    # a malformed read still raises, and a missed one still fails its request alone
+    with pytest.raises(IndexError):
+        scheduler.read([64], 4)
+    scheduler.store.invalidate_blocks([5])
+    marker = scheduler.read([4, 5], 32)
+    assert marker.shape[0] == 0 and len(scheduler._missing) == 1
+    np.testing.assert_array_equal(reads[0][0], expected(rows, reads[0][1], 60, 0))
+    monkeypatch.setenv(READ_POOL_ENV, "1")
+    assert SchedulerRouting.for_vllm(config, kv).core.read_pool()[0] > 0  # any other value: the pool, as by default

@@ -24,7 +24,7 @@ import numpy as np
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
-from slotroute.vllm import LAZY_STORE_ENV, LOGGER_NAME
+from slotroute.vllm import LAZY_STORE_ENV, LOGGER_NAME, READ_POOL_ENV
 from slotroute.vllm.blocks import watch
 
 __all__ = ["SlotRouting", "attention_gid", "routing_spec"]
@@ -168,7 +168,7 @@ class _ResultPool:
         return chunk
 
     def _add_chunk(self, size: int) -> np.ndarray | None:
-        if self.nbytes + size > self._limit:
+        if size <= 0 or self.nbytes + size > self._limit:
             return None
         chunk = np.empty(size, dtype=np.uint8)
         chunk.fill(0)  # NOTE 1: its page faults now, once
@@ -201,9 +201,12 @@ class SlotRouting:
         The slot store, sized to the KV block pool of the full-attention group.
     attn_gid
         Index of that group among the KV cache groups.
+    read_pool
+        Whether :meth:`read`'s results land in reused memory (``_ResultPool``); if not,
+        each gets an array of its own.
     """
 
-    def __init__(self, store: RoutedExpertsManager, attn_gid: int) -> None:
+    def __init__(self, store: RoutedExpertsManager, attn_gid: int, read_pool: bool = True) -> None:
         self.store = store
         self.attn_gid = attn_gid
         self._step = 0
@@ -220,7 +223,7 @@ class SlotRouting:
         self._evict_cached = None
         # Where read() puts its results: never more than the store holds, which bounds
         # the prompt rows of the requests in flight.
-        limit = store.num_slots * store.spec.bytes_per_token
+        limit = store.num_slots * store.spec.bytes_per_token if read_pool else 0
         self._results = _ResultPool(store.spec, min(CHUNK_BYTES, limit), limit)
 
     @classmethod
@@ -229,13 +232,17 @@ class SlotRouting:
         the whole block pool, the spec of :func:`routing_spec`. With ``prompt_reads``
         (vLLM 0.28-0.30's scheduler, whose whole-prompt reads :meth:`read` serves), the
         memory those reads land in is written through at start as well, at most
-        ``RESERVE_BYTES`` (``_ResultPool``'s NOTE 1), unless the store is paged in lazily."""
+        ``RESERVE_BYTES`` (``_ResultPool``'s NOTE 1), unless the store is paged in lazily;
+        with ``SLOTROUTE_READ_POOL=0`` each read gets an array of its own instead."""
         attn_gid = attention_gid(kv_cache_config)
         block_size = kv_cache_config.kv_cache_groups[attn_gid].kv_cache_spec.block_size
         store = RoutedExpertsManager(
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
         )
-        routing = cls(store, attn_gid)
+        pooled = os.environ.get(READ_POOL_ENV) != "0"
+        if prompt_reads and not pooled:
+            logger.info("slotroute: each prompt read gets an array of its own (%s=0)", READ_POOL_ENV)
+        routing = cls(store, attn_gid, read_pool=pooled)
         if os.environ.get(LAZY_STORE_ENV) == "1":
             logger.info("slotroute: scheduler keeps routing in %r, paged in as steps write it (%s=1)",
                         store, LAZY_STORE_ENV)
@@ -243,11 +250,11 @@ class SlotRouting:
         # The store's NOTE 4: page faults at start, not in the steps that first write each page.
         started = time.perf_counter()
         committed = store.populate()
-        reserved = routing.reserve_reads() if prompt_reads else 0
+        reserved = routing.reserve_reads() if prompt_reads and pooled else 0
         logger.info("slotroute: scheduler keeps routing in %r, %.1f MiB committed in %.0f ms%s (%s=1 pages it "
                     "in as steps write it)", store, (committed + reserved) / 2**20,
                     1e3 * (time.perf_counter() - started),
-                    f", {reserved / 2**20:.1f} MiB of it for prompt reads" if prompt_reads else "", LAZY_STORE_ENV)
+                    f", {reserved / 2**20:.1f} MiB of it for prompt reads" if prompt_reads and pooled else "", LAZY_STORE_ENV)
         return routing
 
     def reserve_reads(self) -> int:
