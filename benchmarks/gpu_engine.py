@@ -617,13 +617,14 @@ def finishing(output_us: list[list[int]], output_faults: list[list[int]], finish
     """The steps in which requests finished, from each ``generate`` call's
     ``process_outputs`` calls (each one's host us, page faults and requests finished, in
     order): there vLLM's front end joins each finishing request's rows into a new
-    array (0.28-0.30; 0.31+ hand it whole), so what a routing path's rows cost to join
-    shows there, at a turn's end with little or no forward left to hide it. Their
-    ``process_outputs`` ms and page faults, summed over the calls (``None`` where some
-    call's figures are missing: a vLLM without the method, or a platform that counts no
-    faults)."""
-    if not finished or any(len(f) != len(us) or len(f) != len(flt)
-                           for us, flt, f in zip(output_us, output_faults, finished)) or len(output_us) != len(finished):
+    array (on 0.28-0.30 its prompt's and one a decode step; 0.31+ send them in one
+    piece), so what a routing path's rows cost to join shows there, at a turn's end
+    with little or no forward left to hide it. Their ``process_outputs`` ms and page
+    faults, summed over the calls (``None`` where the three do not line up: a vLLM
+    without the method, or a platform that counts no faults)."""
+    lined_up = bool(finished) and len(output_us) == len(output_faults) == len(finished) and all(
+        len(us) == len(faults) == len(done) for us, faults, done in zip(output_us, output_faults, finished))
+    if not lined_up:
         return dict(finishing_output_ms=None, finishing_faults=None)
     steps = [(us, flt) for call_us, call_faults, call_finished in zip(output_us, output_faults, finished)
              for us, flt, done in zip(call_us, call_faults, call_finished) if done]
