@@ -181,9 +181,8 @@ class Timer:
             fault_samples.setdefault(keys[1], []).append(took)
             return result
 
-        if count_faults is not None:
-            count_faults = count_faults and hasattr(resource, "RUSAGE_THREAD")
-        setattr(owner, name, counted if (self._count_faults if count_faults is None else count_faults) else timed)
+        counting = self._count_faults if count_faults is None else count_faults and hasattr(resource, "RUSAGE_THREAD")
+        setattr(owner, name, counted if counting else timed)
 
     def reset(self) -> None:
         for kept in (self.seconds, self.calls, self.samples, self.faults, self.fault_samples, self.gc_seconds,

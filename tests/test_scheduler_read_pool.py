@@ -47,6 +47,15 @@ def pooled(routing, result: np.ndarray) -> bool:
     return any(np.shares_memory(result, chunk) for chunk in routing._results._chunks)
 
 
+def vllm_configs(layers: int, top_k: int, experts: int, num_blocks: int, block_size: int):
+    """What ``SlotRouting.for_vllm`` reads of vLLM's config and KV cache config."""
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers, get_num_experts_per_tok=lambda: top_k,
+                            get_num_experts=lambda: experts)
+    kv = SimpleNamespace(num_blocks=num_blocks,
+                         kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block_size))])
+    return SimpleNamespace(model_config=model), kv
+
+
 def expected(rows: np.ndarray, blocks: list[int], num_tokens: int, token_start: int = 0) -> np.ndarray:
     slots = np.array([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(token_start, num_tokens)], dtype=np.int64)
     return rows[slots]
@@ -169,10 +178,7 @@ def test_vllm_0_28_to_0_30s_scheduler_reserves_the_reads_memory_at_start_and_the
     from slotroute.vllm.scheduler import SchedulerRouting
 
     monkeypatch.setattr(routing_module, "attention_gid", lambda kv_cache_config: 0)
-    model = SimpleNamespace(get_total_num_hidden_layers=lambda: 48, get_num_experts_per_tok=lambda: 8,
-                            get_num_experts=lambda: 128)  # 384 B a token
-    config = SimpleNamespace(model_config=model)
-    kv = SimpleNamespace(num_blocks=50000, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))])
+    config, kv = vllm_configs(layers=48, top_k=8, experts=128, num_blocks=50000, block_size=16)  # 384 B a token
     scheduler = SchedulerRouting.for_vllm(config, kv).core  # a 293 MiB store: the reserve's cap applies
     assert scheduler._results.nbytes == routing_module.RESERVE_BYTES
     chunks = scheduler._results._chunks
@@ -189,10 +195,8 @@ def test_with_the_read_pool_off_each_read_gets_an_array_of_its_own_and_nothing_i
     from slotroute.vllm.scheduler import SchedulerRouting
 
     monkeypatch.setattr(routing_module, "attention_gid", lambda kv_cache_config: 0)
-    model = SimpleNamespace(get_total_num_hidden_layers=lambda: 6, get_num_experts_per_tok=lambda: 4,
-                            get_num_experts=lambda: 64)  # SPEC's shape
-    config = SimpleNamespace(model_config=model)
-    kv = SimpleNamespace(num_blocks=64, kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=BLOCK))])
+    config, kv = vllm_configs(layers=SPEC.num_layers, top_k=SPEC.top_k, experts=SPEC.num_experts, num_blocks=64,
+                              block_size=BLOCK)
     monkeypatch.setenv(READ_POOL_ENV, "0")
     scheduler = SchedulerRouting.for_vllm(config, kv).core
     assert scheduler.read_pool() == (0, 0)  # nothing written through at start

@@ -240,6 +240,7 @@ class SlotRouting:
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
         )
         pooled = os.environ.get(READ_POOL_ENV) != "0"
+        reserve = prompt_reads and pooled
         if prompt_reads and not pooled:
             logger.info("slotroute: each prompt read gets an array of its own (%s=0)", READ_POOL_ENV)
         routing = cls(store, attn_gid, read_pool=pooled)
@@ -250,11 +251,11 @@ class SlotRouting:
         # The store's NOTE 4: page faults at start, not in the steps that first write each page.
         started = time.perf_counter()
         committed = store.populate()
-        reserved = routing.reserve_reads() if prompt_reads and pooled else 0
+        reserved = routing.reserve_reads() if reserve else 0
         logger.info("slotroute: scheduler keeps routing in %r, %.1f MiB committed in %.0f ms%s (%s=1 pages it "
                     "in as steps write it)", store, (committed + reserved) / 2**20,
                     1e3 * (time.perf_counter() - started),
-                    f", {reserved / 2**20:.1f} MiB of it for prompt reads" if prompt_reads and pooled else "", LAZY_STORE_ENV)
+                    f", {reserved / 2**20:.1f} MiB of it for prompt reads" if reserve else "", LAZY_STORE_ENV)
         return routing
 
     def reserve_reads(self) -> int:
