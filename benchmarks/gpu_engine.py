@@ -53,9 +53,7 @@ committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's r
 read when it finishes, none of its prompt's read ahead while it decodes
 (``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-per-layer``: the worker's capture
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
-instead of once after the last MoE layer, and ``slotroute-fresh-reads``: on vLLM 0.28-0.30,
-each whole-prompt read in an array of its own (``SLOTROUTE_READ_POOL=0``) instead of in
-memory written through at start; each compared with slotroute in the same rounds.
+instead of once after the last MoE layer; each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
 workloads N times in its engine, each pass on an empty prefix cache: a child's figures
@@ -96,17 +94,13 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
 # and slotroute copying each MoE layer's routing as its router runs
 # (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step.
-# And on vLLM 0.28-0.30, slotroute with each whole-prompt read in an array of its own
-# (``SLOTROUTE_READ_POOL=0``), against which it measures the reads' memory written
-# through at start.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-fresh-reads")
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
-              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
-              "slotroute-fresh-reads": {"SLOTROUTE_READ_POOL": "0"}}
+              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -374,8 +368,6 @@ def child(args) -> None:
     timer.wrap(scheduler, "schedule", "schedule",
                on_call=lambda args, result: scheduled.append(result.total_num_scheduled_tokens))
     config = llm.llm_engine.vllm_config
-    # vLLM 0.28-0.30 with slotroute: the memory its scheduler's whole-prompt reads land in
-    read_pool = getattr(getattr(getattr(scheduler, "routed_experts_mgr", None), "core", None), "read_pool", None)
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
     routing = args.child != "off"
@@ -462,7 +454,6 @@ def child(args) -> None:
             calls.clear()
         call_added_s.clear()
         pool.update(added=0, added_bytes=0)
-        past_before = read_pool()[1] if read_pool else 0
         began = time.perf_counter()
         generated = requests = 0
         if name == "rollout":
@@ -481,7 +472,6 @@ def child(args) -> None:
                 prompts = [h + turn_rng.integers(1000, 150000, turn_gen).tolist() for h in history]
         wall = time.perf_counter() - began
         steps = max(timer.calls.get("steps", 0), 1)
-        read_memory = read_pool() if read_pool else None
         return dict(
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
             bytes_per_step=sum(shipped) / steps,
@@ -499,8 +489,6 @@ def child(args) -> None:
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
-            **({} if read_memory is None else dict(read_pool_bytes=read_memory[0],
-                                                   reads_past_pool=read_memory[1] - past_before)),
             **timeline(generate_calls, wall),
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
@@ -864,7 +852,7 @@ RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
-               ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-fresh-reads", None))
+               ("slotroute", "slotroute-per-layer", None))
 
 
 def split_rounds(children: list[dict]) -> list[int]:
@@ -1324,9 +1312,6 @@ def main() -> None:
             pool = "" if entry["config"] not in SLOTROUTE_CONFIGS else (
                 f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
                 + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)" for r in results))
-            pool += "".join(f"; {w}: prompt reads {r['read_pool_bytes'] / 2**20:.1f} MiB written through, "
-                            f"{r['reads_past_pool']} reads past them" for w, r in entry["results"].items()
-                            if "read_pool_bytes" in r)
             exit_s = entry["wall_s"] - entry["elapsed_s"]
             print(f"round {entry['round']} {entry['config']}: import {entry['import_s']:.0f} s, start "
                   f"{entry['start_s']:.0f} s, warm-up {entry['warm_up_s']:.0f} s, Python's start and exit {exit_s:.0f} s, "

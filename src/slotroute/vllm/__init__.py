@@ -22,13 +22,7 @@ Environment:
 ``SLOTROUTE_LAZY_STORE=1``
     The scheduler's store is paged in as steps first write each page, instead of
     being committed when the engine starts (its whole capacity, ``routed_experts``
-    bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4); on vLLM
-    0.28-0.30 the memory of the prompt reads (up to 256 MiB, ``routing.py``,
-    ``_ResultPool``) is then made as reads need it, not written through at start.
-``SLOTROUTE_READ_POOL=0``
-    On vLLM 0.28-0.30, each whole-prompt read the scheduler makes gets an array of its
-    own, as vLLM's own manager does, instead of a span of the memory written through at
-    start (``routing.py``, ``_ResultPool``); nothing is reserved for them.
+    bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
 ``SLOTROUTE_CAPTURE_COPY_ONCE``
     ``1``: the worker writes a step's routing into its capture buffer with one kernel
     after the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
@@ -47,7 +41,7 @@ import os
 import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
-           "READ_POOL_ENV", "capture_copy_once", "register", "unsupported_reason"]
+           "capture_copy_once", "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -60,9 +54,6 @@ LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 # Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
 # prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
 READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
-# Set to 0 (vLLM 0.28-0.30): each whole-prompt read gets an array of its own, none of the
-# reads' memory is written through at start (``_ResultPool`` in ``routing.py``).
-READ_POOL_ENV = "SLOTROUTE_READ_POOL"
 # 1: the worker's capture writes a step's rows with one kernel after the last MoE layer
 # (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see
 # capture_copy_once.

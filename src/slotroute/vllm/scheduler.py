@@ -51,9 +51,8 @@ class SchedulerRouting:
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
-        """Built as vLLM builds its own manager (:meth:`SlotRouting.for_vllm`), the
-        memory of :meth:`get`'s results written through at start."""
-        return cls(SlotRouting.for_vllm(vllm_config, kv_cache_config, prompt_reads=True))
+        """Built as vLLM builds its own manager (:meth:`SlotRouting.for_vllm`)."""
+        return cls(SlotRouting.for_vllm(vllm_config, kv_cache_config))
 
     @property
     def routed_experts_by_slot(self) -> np.ndarray:

@@ -1,0 +1,149 @@
+"""The scheduler's reads (vLLM 0.28-0.30's whole-prompt reads, ``SlotRouting.read``):
+each result an array of its own, equal to the store's rows and untouched by later
+writes or invalidations, freed when it is dropped, nothing of the reads' kept or
+reserved by slotroute (``read``'s docstring says why); a malformed read raises and a
+missed one fails its request alone.
+"""
+
+from __future__ import annotations
+
+import tracemalloc
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from slotroute.spec import RoutingSpec
+from slotroute.store import RoutedExpertsManager
+from slotroute.vllm import routing as routing_module
+from slotroute.vllm.routing import SlotRouting
+
+SPEC = RoutingSpec(num_layers=6, top_k=4, num_experts=64)  # 24 B a token
+BLOCK = 16
+
+
+@pytest.fixture
+def routing():
+    return SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0)
+
+
+def fill(routing, seed: int) -> np.ndarray:
+    """Every slot of the store written with random ids; the rows, by slot."""
+    rows = np.random.default_rng(seed).integers(0, SPEC.num_experts, (routing.store.num_slots, *SPEC.token_shape))
+    rows = rows.astype(SPEC.storage_dtype)
+    routing.store.store_batch(rows, np.arange(routing.store.num_slots))
+    return rows
+
+
+def blocks_from(first: int, count: int, num_blocks: int = 64) -> list[int]:
+    return [(first + i) % num_blocks for i in range(count)]
+
+
+def expected(rows: np.ndarray, blocks: list[int], num_tokens: int, token_start: int = 0) -> np.ndarray:
+    slots = np.array([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(token_start, num_tokens)], dtype=np.int64)
+    return rows[slots]
+
+
+def vllm_configs(layers: int, top_k: int, experts: int, num_blocks: int, block_size: int):
+    """What ``SlotRouting.for_vllm`` reads of vLLM's config and KV cache config."""
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers, get_num_experts_per_tok=lambda: top_k,
+                            get_num_experts=lambda: experts)
+    kv = SimpleNamespace(num_blocks=num_blocks,
+                         kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block_size))])
+    return SimpleNamespace(model_config=model), kv
+
+
+def test_reads_equal_the_stores_rows_and_kept_results_outlive_later_writes(routing):
+    rng = np.random.default_rng(7)
+    rows, kept = fill(routing, 0), []  # kept: (a result, its rows when it was read)
+    for i in range(300):
+        if i % 40 == 39:
+            rows = fill(routing, i)  # later writes must not reach a kept result
+        if i % 60 == 59:
+            routing.store.invalidate_blocks(list(range(64)))  # nor later invalidations
+            rows = fill(routing, i + 1000)
+        count = int(rng.integers(1, 9))
+        blocks = [int(b) for b in rng.choice(64, count, replace=False)]
+        num_tokens = int(rng.integers(0, count * BLOCK + 1))
+        start = int(rng.integers(0, num_tokens + 1))
+        result, want = routing.read(blocks, num_tokens, start), expected(rows, blocks, num_tokens, start)
+        np.testing.assert_array_equal(result, want)
+        assert result.flags.owndata and result.flags.c_contiguous
+        assert not np.shares_memory(result, routing.store.routed_experts_by_slot)
+        if rng.random() < 0.3:
+            kept.append((result, want))
+        if kept and rng.random() < 0.2:
+            kept.pop(int(rng.integers(len(kept))))
+    assert kept
+    for result, want in kept:
+        np.testing.assert_array_equal(result, want)
+
+
+def test_dropped_results_leave_nothing_of_the_reads_allocated(routing):
+    # A rollout's prompt reads, every one kept until its request finishes, then dropped:
+    # the memory they took is freed, none of it held back by slotroute for later reads.
+    fill(routing, 0)
+    routing.read(blocks_from(0, 4), 64)  # anything made once on the first read, made before the count
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        kept = [routing.read(blocks_from(i, 4), 64, i % 5) for i in range(32)]
+        held = tracemalloc.get_traced_memory()[0] - before
+        del kept
+        left = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held >= 32 * 59 * SPEC.bytes_per_token  # the results' own rows, at least
+    assert left < 4096, f"{left} bytes still allocated after every result was dropped"
+
+
+def test_a_malformed_read_raises_and_leaves_kept_results_alone(routing):
+    rows = fill(routing, 0)
+    kept = routing.read(blocks_from(0, 2), 32)
+    with pytest.raises(ValueError, match="num_tokens"):
+        routing.read(blocks_from(0, 2), 33)
+    with pytest.raises(ValueError, match="token_start"):
+        routing.read(blocks_from(0, 2), 10, 11)
+    with pytest.raises(IndexError):
+        routing.read([64], 4)
+    assert routing._missing == []  # a malformed read is not a missed one
+    np.testing.assert_array_equal(kept, expected(rows, blocks_from(0, 2), 32))
+    np.testing.assert_array_equal(routing.read(blocks_from(3, 2), 32), expected(rows, blocks_from(3, 2), 32))
+
+
+def test_a_missed_read_fails_its_request_alone(routing):
+    rows = fill(routing, 0)
+    kept = routing.read(blocks_from(0, 2), 32)
+    routing.store.invalidate_blocks([5])
+    marker = routing.read([4, 5], 32)
+    assert marker.shape == (0, *SPEC.token_shape) and len(routing._missing) == 1
+    np.testing.assert_array_equal(kept, expected(rows, blocks_from(0, 2), 32))
+    np.testing.assert_array_equal(routing.read([4, 6], 32), expected(rows, [4, 6], 32))  # the next read is served
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_the_scheduler_built_for_vllm_commits_its_store_unless_lazy_and_reads_into_arrays_of_their_own(
+        monkeypatch, lazy):
+    from slotroute import store
+    from slotroute.vllm import LAZY_STORE_ENV
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    monkeypatch.setattr(routing_module, "attention_gid", lambda kv_cache_config: 0)
+    populated = []
+    populate = store.RoutedExpertsManager.populate
+    monkeypatch.setattr(store.RoutedExpertsManager, "populate", lambda self: populated.append(1) or populate(self))
+    if lazy:
+        monkeypatch.setenv(LAZY_STORE_ENV, "1")
+    config, kv = vllm_configs(layers=SPEC.num_layers, top_k=SPEC.top_k, experts=SPEC.num_experts, num_blocks=4096,
+                              block_size=BLOCK)
+    core = SchedulerRouting.for_vllm(config, kv).core
+    assert populated == ([] if lazy else [1])
+    buffer = core.store.routed_experts_by_slot
+    resident = store._resident_bytes(buffer)  # mincore, where the platform has it
+    if resident is not None and not lazy:
+        assert resident >= buffer.nbytes
+    rows = fill(core, 3)
+    reads = [(core.read(blocks_from(i, 4), 60, i % 7), blocks_from(i, 4), i % 7) for i in range(8)]
+    for result, blocks, start in reads:
+        assert result.flags.owndata
+        np.testing.assert_array_equal(result, expected(rows, blocks, 60, start))
