@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -238,6 +239,16 @@ def probe(*version: str, **env: str) -> dict:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def vllm_configs(layers: int, top_k: int, experts: int, num_blocks: int, block_size: int):
+    """What ``SlotRouting.for_vllm`` reads of vLLM's config and KV cache config: the
+    model's layers, top-k and experts, the KV block pool of one group."""
+    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers, get_num_experts_per_tok=lambda: top_k,
+                            get_num_experts=lambda: experts)
+    kv = SimpleNamespace(num_blocks=num_blocks,
+                         kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block_size))])
+    return SimpleNamespace(model_config=model), kv
 
 
 def prompt_tokens(seed: int, length: int, vocab: int = 1024) -> list[int]:

@@ -8,10 +8,10 @@ missed one fails its request alone.
 from __future__ import annotations
 
 import tracemalloc
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import vllm_configs
 
 from slotroute.spec import RoutingSpec
 from slotroute.store import RoutedExpertsManager
@@ -42,15 +42,6 @@ def blocks_from(first: int, count: int, num_blocks: int = 64) -> list[int]:
 def expected(rows: np.ndarray, blocks: list[int], num_tokens: int, token_start: int = 0) -> np.ndarray:
     slots = np.array([blocks[t // BLOCK] * BLOCK + t % BLOCK for t in range(token_start, num_tokens)], dtype=np.int64)
     return rows[slots]
-
-
-def vllm_configs(layers: int, top_k: int, experts: int, num_blocks: int, block_size: int):
-    """What ``SlotRouting.for_vllm`` reads of vLLM's config and KV cache config."""
-    model = SimpleNamespace(get_total_num_hidden_layers=lambda: layers, get_num_experts_per_tok=lambda: top_k,
-                            get_num_experts=lambda: experts)
-    kv = SimpleNamespace(num_blocks=num_blocks,
-                         kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=block_size))])
-    return SimpleNamespace(model_config=model), kv
 
 
 def test_reads_equal_the_stores_rows_and_kept_results_outlive_later_writes(routing):
@@ -121,27 +112,14 @@ def test_a_missed_read_fails_its_request_alone(routing):
     np.testing.assert_array_equal(routing.read([4, 6], 32), expected(rows, [4, 6], 32))  # the next read is served
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_the_scheduler_built_for_vllm_commits_its_store_unless_lazy_and_reads_into_arrays_of_their_own(
-        monkeypatch, lazy):
-    from slotroute import store
-    from slotroute.vllm import LAZY_STORE_ENV
+def test_the_scheduler_built_for_vllm_reads_into_arrays_of_their_own(monkeypatch):
+    # Its store committed at start or paged in lazily: test_vllm_scheduler.py.
     from slotroute.vllm.scheduler import SchedulerRouting
 
     monkeypatch.setattr(routing_module, "attention_gid", lambda kv_cache_config: 0)
-    populated = []
-    populate = store.RoutedExpertsManager.populate
-    monkeypatch.setattr(store.RoutedExpertsManager, "populate", lambda self: populated.append(1) or populate(self))
-    if lazy:
-        monkeypatch.setenv(LAZY_STORE_ENV, "1")
-    config, kv = vllm_configs(layers=SPEC.num_layers, top_k=SPEC.top_k, experts=SPEC.num_experts, num_blocks=4096,
+    config, kv = vllm_configs(layers=SPEC.num_layers, top_k=SPEC.top_k, experts=SPEC.num_experts, num_blocks=64,
                               block_size=BLOCK)
     core = SchedulerRouting.for_vllm(config, kv).core
-    assert populated == ([] if lazy else [1])
-    buffer = core.store.routed_experts_by_slot
-    resident = store._resident_bytes(buffer)  # mincore, where the platform has it
-    if resident is not None and not lazy:
-        assert resident >= buffer.nbytes
     rows = fill(core, 3)
     reads = [(core.read(blocks_from(i, 4), 60, i % 7), blocks_from(i, 4), i % 7) for i in range(8)]
     for result, blocks, start in reads:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from conftest import vllm_configs
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
@@ -47,14 +48,11 @@ def test_the_scheduler_store_is_committed_at_start_unless_asked_to_page_in_lazil
     if store._resident_bytes(np.zeros(1)) is None:
         pytest.skip("resident memory is read with mincore, which this platform lacks")
     monkeypatch.setattr(routing, "attention_gid", lambda kv_cache_config: 0)
-    model = SimpleNamespace(get_total_num_hidden_layers=lambda: 64, get_num_experts_per_tok=lambda: 8,
-                            get_num_experts=lambda: 128)  # 512 B per token
-    group = SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=16))
-    kv = SimpleNamespace(num_blocks=8192, kv_cache_groups=[group])
-    committed = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
+    config, kv = vllm_configs(layers=64, top_k=8, experts=128, num_blocks=8192, block_size=16)  # 512 B per token
+    committed = routing.SlotRouting.for_vllm(config, kv).store.stats()
     assert committed.capacity_bytes == 64 << 20 and committed.resident_bytes >= committed.capacity_bytes
     monkeypatch.setenv(LAZY_STORE_ENV, "1")
-    lazy = routing.SlotRouting.for_vllm(SimpleNamespace(model_config=model), kv).store.stats()
+    lazy = routing.SlotRouting.for_vllm(config, kv).store.stats()
     assert lazy.resident_bytes < 16 << 20
 
 
