@@ -695,6 +695,14 @@ def child_environment(config: str, env: dict) -> dict:
     return child_env
 
 
+def allocator_environment(env: dict) -> dict:
+    """The variables of ``env`` that set glibc's allocator (``GLIBC_TUNABLES``,
+    ``MALLOC_*``): every child inherits them, so a run made under them records them in
+    its setup, and a run under other ones is not continued in its JSON (the scheduler's
+    reads and the front end's joins fault on memory the allocator hands out fresh)."""
+    return {k: v for k, v in sorted(env.items()) if k == "GLIBC_TUNABLES" or k.startswith("MALLOC_")}
+
+
 def plan(configs: list[str], rounds: int) -> list[dict]:
     """The children to run: a discarded warm-up of each configuration (each compiles a
     graph of its own: routing on or off, slotroute's hooks or vLLM's, and a cold
@@ -1260,6 +1268,9 @@ def main() -> None:
         setup["workloads"] = workloads
     if args.passes != 1:  # as does a run of one pass a child
         setup["passes"] = args.passes
+    allocator = allocator_environment(os.environ)
+    if allocator:  # as does a run under glibc's default allocation
+        setup["allocator"] = allocator
     state = continued(args.json, setup, plan(configs, args.rounds))
     model = write_config(Path(tempfile.gettempdir()) / f"qwen3-30b-a3b-shape-{args.layers}", args.layers)
     env = dict(os.environ)
@@ -1329,6 +1340,7 @@ def main() -> None:
     header = (f"device {device}, vLLM {version}, runner {args.runner}, {args.layers} layers, rollout {args.requests} x "
               f"({args.prompt_len} + {args.gen_len}), multi-turn {max(args.requests // 4, 1)} x {TURNS} turns; "
               + (f"{args.passes} passes a child, its figures the middle pass's by wall time; " if args.passes > 1 else "")
+              + "".join(f"{k}={v}, every child; " for k, v in allocator.items())
               + rounds_done(state["summary"], args.rounds))
     print("\n" + report(state["summary"], header), flush=True)
     if args.json:

@@ -716,6 +716,34 @@ def test_passes_are_part_of_the_setup_a_run_is_continued_with(tmp_path):
     assert call("--passes", "0").returncode != 0
 
 
+def test_the_allocators_variables_are_the_glibc_ones_only():
+    env = dict(PATH="/bin", GLIBC_TUNABLES="glibc.malloc.trim_threshold=1073741824", MALLOC_ARENA_MAX="2",
+               SLOTROUTE_LAZY_STORE="1", MALLOCX="0")
+    assert gpu_engine.allocator_environment(env) == dict(GLIBC_TUNABLES="glibc.malloc.trim_threshold=1073741824",
+                                                         MALLOC_ARENA_MAX="2")
+    assert gpu_engine.allocator_environment(dict(PATH="/bin")) == {}
+
+
+def test_a_run_under_the_allocators_variables_records_them_and_is_continued_only_under_them(tmp_path):
+    pytest.importorskip("vllm")
+    path = str(tmp_path / "run.json")
+    tuned = "glibc.malloc.trim_threshold=1073741824"
+
+    def call(**env):
+        base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0"],
+                              capture_output=True, text=True, env=dict(base, **env))
+
+    assert call(GLIBC_TUNABLES=tuned).returncode == 0
+    assert json.loads(pathlib.Path(path).read_text())["setup"]["allocator"] == dict(GLIBC_TUNABLES=tuned)
+    assert "continuing" in call(GLIBC_TUNABLES=tuned).stdout
+    other = call()  # glibc's default allocation: another setup
+    assert other.returncode == 1 and "allocator: {'GLIBC_TUNABLES': " in other.stderr
+    pathlib.Path(path).unlink()
+    assert call().returncode == 0  # a run under the default keeps the setup of runs before this key
+    assert "allocator" not in json.loads(pathlib.Path(path).read_text())["setup"]
+
+
 def test_the_report_gives_each_configurations_figures_round_by_round_in_round_order():
     def timed(round_, config, wall, turn_start, add=None):
         c = child(round_, config, 100.0)
