@@ -40,8 +40,8 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV", "READ_AT_FINISH_ENV",
-           "capture_copy_once", "register", "unsupported_reason"]
+__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV",
+           "READ_AT_FINISH_ENV", "capture_copy_once", "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"

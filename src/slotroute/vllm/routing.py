@@ -33,6 +33,7 @@ logger = logging.getLogger(LOGGER_NAME)
 # The attribute slotroute sets on a SchedulerOutput (vLLM's object, not ours).
 _STEP_ATTR = "_slotroute_step"
 
+
 def routing_spec(vllm_config) -> RoutingSpec:
     """The spec vLLM's own capturer uses (``_get_routed_experts_shape`` in
     ``routed_experts_capturer.py``): ``num_layers`` counts every decoder layer, as
