@@ -10,9 +10,9 @@ Each case runs in a child process of its own: 64 conversations, 4 turns, each tu
 prompt reads made (fresh, or spans of memory written at start), then each
 conversation's join followed by its read dropped (vLLM's front end drops a request's
 state once it is joined), the turn's joins held until the next turn's are made (a
-caller of ``LLM.generate`` holds a turn's outputs while it builds the next turn). The figure is the joins' minor page
-faults summed over the turns: a count, not a time, the same on every run of one
-machine and glibc.
+caller of ``LLM.generate`` holds a turn's outputs while it builds the next turn). The
+figure is the joins' minor page faults summed over the turns: a count, not a time, the
+same on every run of one machine and glibc.
 
     python benchmarks/allocator_joins.py
 """
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 
@@ -37,12 +36,10 @@ ALLOCATORS = {"glibc default": {}, "mmap threshold fixed at 128 KiB": {"MALLOC_M
 READS = ("freed", "kept")
 
 
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-
-
 def child(reads: str) -> int:
     """The joins' page faults over every turn, with the reads ``freed`` or ``kept``."""
+    from slotroute.tools.bench import minor_faults
+
     kept = None
     if reads == "kept":
         kept = np.empty(CONVERSATIONS * READ_BYTES, np.uint8)

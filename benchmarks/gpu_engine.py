@@ -619,7 +619,7 @@ def finishing(output_us: list[list[int]], output_faults: list[list[int]], finish
 
 
 # Counts a child's figures sum over its passes rather than take from the kept one.
-PASS_SUMS = ("host_pool_chunks_added", "host_pool_bytes_added", "reads_past_pool")
+PASS_SUMS = ("host_pool_chunks_added", "host_pool_bytes_added")
 
 
 def middle_pass(passes: list[dict]) -> dict:
