@@ -125,3 +125,65 @@ def test_the_scheduler_built_for_vllm_reads_into_arrays_of_their_own(monkeypatch
     for result, blocks, start in reads:
         assert result.flags.owndata
         np.testing.assert_array_equal(result, expected(rows, blocks, 60, start))
+
+
+def _step(prompts: dict, decoding: tuple = (), silent: tuple = ()):
+    """A scheduler and runner output as vLLM 0.28-0.30's ``update_from_output`` sees
+    them: ``prompts`` (request -> (blocks, prompt length, prompt start)) complete their
+    prefill in the step, ``decoding`` requests have output tokens, ``silent`` ones
+    sampled nothing (an earlier prefill chunk)."""
+    from types import SimpleNamespace
+
+    requests, snapshots = {}, {}
+    for req_id, (blocks, num_tokens, start) in prompts.items():
+        requests[req_id] = SimpleNamespace(num_output_tokens=0, num_prompt_tokens=num_tokens,
+                                           sampling_params=SimpleNamespace(routed_experts_prompt_start=start))
+        snapshots[req_id] = list(blocks)
+    for req_id in decoding:
+        requests[req_id] = SimpleNamespace(num_output_tokens=3, num_prompt_tokens=20, sampling_params=None)
+        snapshots[req_id] = blocks_from(0, 2)
+    req_ids = list(requests)
+    sampled = [[] if r in silent else [1] for r in req_ids]
+    return SimpleNamespace(requests=requests, _re_block_ids=snapshots), SimpleNamespace(req_ids=req_ids,
+                                                                                      sampled_token_ids=sampled)
+
+
+def test_joined_prompt_reads_are_views_of_one_array_equal_to_reads_of_their_own(monkeypatch):
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    monkeypatch.setenv("SLOTROUTE_JOINED_PROMPT_READS", "1")
+    manager = SchedulerRouting(SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0))
+    assert manager.joined_reads
+    rows = fill(manager.core, 5)
+    prompts = {"a": (blocks_from(0, 3), 40, None), "b": (blocks_from(9, 2), 30, 7), "c": (blocks_from(20, 1), 16, 0),
+               "d": (blocks_from(30, 2), 20, None)}
+    scheduler, output = _step(prompts, decoding=("e",), silent=("d",))
+    manager.plan_prompt_reads(scheduler, output)
+    assert set(manager._planned) == {id(scheduler._re_block_ids[r]) for r in "abc"}  # not d (silent), not e
+    got = {r: manager.get(scheduler._re_block_ids[r], n, s or 0) for r, (_, n, s) in prompts.items()}
+    for req_id, (blocks, num_tokens, start) in prompts.items():
+        np.testing.assert_array_equal(got[req_id], expected(rows, blocks, num_tokens, start or 0))
+    base = got["a"].base
+    assert base is not None and all(got[r].base is base for r in "abc") and got["d"].flags.owndata
+    # a read that differs from its plan, or comes with another list, gets an array of its own
+    scheduler, output = _step(prompts)
+    manager.plan_prompt_reads(scheduler, output)
+    other = manager.get(list(scheduler._re_block_ids["a"]), 40)
+    shorter = manager.get(scheduler._re_block_ids["b"], 30, 8)
+    assert other.flags.owndata and shorter.flags.owndata
+    np.testing.assert_array_equal(shorter, expected(rows, blocks_from(9, 2), 30, 8))
+    manager.forget_plan()
+    assert not manager._planned
+    # a planned read that misses returns the empty marker and fails its request alone
+    scheduler, output = _step(prompts)
+    manager.plan_prompt_reads(scheduler, output)
+    manager.store.invalidate_blocks([20])
+    marker = manager.get(scheduler._re_block_ids["c"], 16)
+    assert marker.shape == (0, *SPEC.token_shape) and len(manager.core._missing) == 1
+    np.testing.assert_array_equal(manager.get(scheduler._re_block_ids["a"], 40), expected(rows, blocks_from(0, 3), 40))
+    # off (the variable unset): every read an array of its own, nothing planned
+    monkeypatch.delenv("SLOTROUTE_JOINED_PROMPT_READS")
+    plain = SchedulerRouting(manager.core)
+    scheduler, output = _step(prompts)
+    plain.plan_prompt_reads(scheduler, output)
+    assert not plain.joined_reads and not plain._planned

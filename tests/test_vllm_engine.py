@@ -533,3 +533,40 @@ def test_a_requests_prompt_rows_are_read_ahead_and_the_rest_once_when_it_finishe
         assert_same_completion(got, reference(prompt, 9))
         if was is not None:
             assert_same_completion(was, reference(prompt, 9))
+
+
+@pytest.mark.skipif(CONNECTOR_GENERATION, reason="the joined prompt reads are 0.28-0.30's")
+def test_prompts_completing_in_one_step_are_read_into_one_array_and_equal_the_lone_runs(llm, reference):
+    """``SLOTROUTE_JOINED_PROMPT_READS=1``: the prompts whose prefill completes in one
+    step (a prefix-cache hit and a ``routed_experts_prompt_start`` among them) are read
+    into one array, each request's rows a view of it; a chunked prompt that completes
+    alone gets an array of its own; every request returns the lone run's routing."""
+    routing = scheduler_of(llm).routed_experts_mgr
+    shared = prompt_tokens(90, 40)
+    prompts = [prompt_tokens(91 + i, 20 + i) for i in range(3)] + [shared + prompt_tokens(94, 11)]
+    long_prompt = prompt_tokens(95, 2 * TOKEN_BUDGET + 9)
+    params = [greedy(5), greedy(5, routed_experts_prompt_start=7), greedy(5), greedy(5)]
+    routing.joined_reads = True  # what the variable sets when the engine starts
+    try:
+        llm.reset_prefix_cache()
+        generate(llm, [shared + prompt_tokens(96, 9)], greedy(3))
+        with Spy(routing, "get", lambda args, result: True) as gets:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts + [long_prompt]],
+                                   params + [greedy(5)], use_tqdm=False)
+    finally:
+        routing.joined_reads = False
+    got = [completion(o) for o in outputs]
+    assert not routing._planned
+    assert got[3].num_cached_tokens == BLOCK_SIZE
+    reads = [result for _, result in gets.results]
+    assert len(reads) == 5
+    views = [r for r in reads if not r.flags.owndata]
+    assert len(views) == 4 and all(np.shares_memory(views[0].base, v) for v in views)
+    assert sorted(len(v) for v in views) == sorted([20, 21 - 7, 22, 51])
+    (own,) = [r for r in reads if r.flags.owndata]
+    assert len(own) == len(long_prompt)
+    for g, prompt, p in zip(got, prompts + [long_prompt], params + [greedy(5)]):
+        want = reference(prompt, 5)
+        start = p.routed_experts_prompt_start or 0
+        assert g.tokens == want.tokens
+        np.testing.assert_array_equal(g.routed, want.routed[start:])
