@@ -229,7 +229,10 @@ class SlotRouting:
         mapped chunk, so glibc never raised its mmap threshold, and every allocation
         above 128 KiB in the process, vLLM's included, stayed a fresh mapping that
         faults on each page; an engine ran slower with it (docs/vllm.md, the
-        scheduler's reads).
+        scheduler's reads). Nor one array for all the prompts that complete in a step,
+        each read a view of it: on an H200 its prompt steps were no faster and the
+        front end's joins at finish faulted more (docs/benchmarks.md, prompt reads on
+        vLLM 0.28-0.30).
 
         Raises
         ------

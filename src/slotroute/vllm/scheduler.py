@@ -12,12 +12,8 @@ read finishes with an error.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from slotroute.spec import MissingRoutingError
-from slotroute.vllm import JOINED_READS_ENV
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.routing import SlotRouting
@@ -45,23 +41,13 @@ class SchedulerRouting:
     ----------
     core
         The routing core, sized to the KV block pool.
-    joined_reads
-        Read the prompts that complete in one step into one array
-        (:meth:`plan_prompt_reads`); ``None``: as ``SLOTROUTE_JOINED_PROMPT_READS=1``
-        says, off when unset.
     """
 
-    def __init__(self, core: SlotRouting, joined_reads: bool | None = None) -> None:
+    def __init__(self, core: SlotRouting) -> None:
         self.core = core
         self.store = core.store
         # Read by vLLM's scheduler: the KV cache group whose blocks it reads rows over.
         self.attn_gid = core.attn_gid
-        if joined_reads is None:
-            joined_reads = os.environ.get(JOINED_READS_ENV) == "1"
-        self.joined_reads = joined_reads
-        # This output's planned prompt reads: id of the block-id list vLLM will pass to
-        # ``get`` -> (that list, num_tokens, token_start, the view to read into).
-        self._planned: dict[int, tuple[list, int, int, np.ndarray]] = {}
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
@@ -95,56 +81,7 @@ class SchedulerRouting:
         ValueError, IndexError
             As ``RoutedExpertsManager.get`` for malformed arguments (a vLLM bug).
         """
-        if self._planned:
-            planned = self._planned.pop(id(block_ids), None)
-            if planned is not None and planned[0] is block_ids and planned[1:3] == (num_tokens, token_start):
-                try:
-                    return self.store.get(block_ids, num_tokens, token_start, out=planned[3])
-                except MissingRoutingError as error:
-                    return self.core.missing(error)
         return self.core.read(block_ids, num_tokens, token_start)
-
-    def plan_prompt_reads(self, scheduler, model_runner_output) -> None:
-        """Before vLLM's ``update_from_output`` reads, one ``get`` each, the prompt of
-        every request whose prefill completes in this output: if two or more do, make
-        one array for all their rows and give each read its slice, so that a step's
-        prompt reads take one allocation, not one each (in huge pages from 4 MiB, where
-        numpy and the kernel allow). Each request's rows are then a view of that array,
-        which lives until every one of them is dropped.
-
-        A request is planned as vLLM reads it: sampled a token in this output, no output
-        token before it, its block ids in ``_re_block_ids`` (the list vLLM will pass),
-        ``routed_experts_prompt_start`` or 0 as the first token. A read vLLM makes that
-        was not planned (or differs from its plan) gets an array of its own; a slice
-        planned and not read is left unused. Off unless ``joined_reads``; bounded by
-        one dictionary lookup per request of the step, and a few more per request
-        planned."""
-        snapshots = scheduler._re_block_ids
-        sampled = model_runner_output.sampled_token_ids
-        if not (self.joined_reads and snapshots and sampled):
-            return
-        requests, reads, total = scheduler.requests, [], 0
-        for index, req_id in enumerate(model_runner_output.req_ids):
-            block_ids = snapshots.get(req_id)
-            request = requests.get(req_id)
-            if block_ids is None or request is None or request.num_output_tokens or not len(sampled[index]):
-                continue
-            start = getattr(request.sampling_params, "routed_experts_prompt_start", None) or 0
-            num_tokens = request.num_prompt_tokens
-            if 0 <= start < num_tokens:
-                reads.append((block_ids, num_tokens, start, total))
-                total += num_tokens - start
-        if len(reads) < 2:
-            return
-        spec = self.store.spec
-        joined = np.empty((total, *spec.token_shape), dtype=spec.storage_dtype)
-        for block_ids, num_tokens, start, offset in reads:
-            view = joined[offset:offset + num_tokens - start]
-            self._planned[id(block_ids)] = (block_ids, num_tokens, start, view)
-
-    def forget_plan(self) -> None:
-        """Drop this output's planned reads that vLLM did not make."""
-        self._planned.clear()
 
     def snapshot_prompt_blocks(self, scheduler, num_scheduled_tokens) -> None:
         """Keep, in vLLM's ``scheduler._re_block_ids``, the block ids of each scheduled
@@ -296,9 +233,8 @@ def _make_update_after_schedule(original):
 
 def _make_update_from_output(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``:
-    invalidates before the step's ``store_batch``, drops a failed step's blocks, plans
-    the step's prompt reads (:meth:`SchedulerRouting.plan_prompt_reads`), and fails the
-    requests whose read missed or whose step failed."""
+    invalidates before the step's ``store_batch``, drops a failed step's blocks, and
+    fails the requests whose read missed or whose step failed."""
 
     def update_from_output(self, scheduler_output, model_runner_output):
         routing = getattr(self, "routed_experts_mgr", None)
@@ -308,11 +244,7 @@ def _make_update_from_output(original):
         step = model_runner_output.routed_experts
         if step is not None and is_failed_step(step.routing_data, step.slot_mapping):
             routing.core.fail_step(scheduler_output, step.slot_mapping)
-        routing.plan_prompt_reads(self, model_runner_output)
-        try:
-            outputs = original(self, scheduler_output, model_runner_output)
-        finally:
-            routing.forget_plan()
+        outputs = original(self, scheduler_output, model_runner_output)
         routing.after_output(self, outputs)
         return outputs
 
