@@ -26,6 +26,7 @@ import subprocess
 import sys
 
 import numpy as np
+from gpu_engine import allocator_environment
 
 CONVERSATIONS, TURNS = 64, 4
 READ_BYTES = 700 << 10  # a turn's prompt rows: 1,866 tokens of 384 B (qwen3 shape)
@@ -73,7 +74,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if k not in allocator_environment(os.environ)}
     print(f"{CONVERSATIONS} conversations x {TURNS} turns, reads of {READ_BYTES >> 10} KiB: the joins' page faults")
     print("| allocator | reads freed | reads kept |\n|---|---|---|")
     for name, extra in ALLOCATORS.items():
