@@ -51,9 +51,11 @@ off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotrout
 its scheduler store paged in as steps write it (``SLOTROUTE_LAZY_STORE=1``) instead of
 committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's rows all
 read when it finishes, none of its prompt's read ahead while it decodes
-(``SLOTROUTE_READ_AT_FINISH=1``), and ``slotroute-per-layer``: the worker's capture
+(``SLOTROUTE_READ_AT_FINISH=1``), ``slotroute-per-layer``: the worker's capture
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
-instead of once after the last MoE layer; each compared with slotroute in the same rounds.
+instead of once after the last MoE layer, and ``slotroute-ahead``: on vLLM 0.28-0.30,
+each prompt's rows stored before its last prefill step read while that step runs
+(``SLOTROUTE_READ_AHEAD=1``); each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
 workloads N times in its engine, each pass on an empty prefix cache: a child's figures
@@ -93,14 +95,17 @@ CONFIGS = ("off", "vllm", "slotroute")
 # at start; and slotroute reading each request's rows only when it finishes
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
 # and slotroute copying each MoE layer's routing as its router runs
-# (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer")
+# (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step;
+# and slotroute reading vLLM 0.28-0.30's prompts ahead of their last prefill step's
+# output (``SLOTROUTE_READ_AHEAD=1``), measured against reading them whole there.
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-ahead")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
-              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"}}
+              "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
+              "slotroute-ahead": {"SLOTROUTE_READ_AHEAD": "1"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -860,7 +865,8 @@ RESOLVING_ROUNDS = 3
 # (configuration, against, what is claimed of the ratio of their tok/s)
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
-               ("slotroute", "slotroute-per-layer", None))
+               ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-ahead", None),
+               ("slotroute-ahead", "off", 0.99), ("slotroute-ahead", "vllm", 1.0))
 
 
 def split_rounds(children: list[dict]) -> list[int]:

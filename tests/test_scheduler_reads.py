@@ -8,6 +8,7 @@ missed one fails its request alone.
 from __future__ import annotations
 
 import tracemalloc
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -125,3 +126,92 @@ def test_the_scheduler_built_for_vllm_reads_into_arrays_of_their_own(monkeypatch
     for result, blocks, start in reads:
         assert result.flags.owndata
         np.testing.assert_array_equal(result, expected(rows, blocks, 60, start))
+
+
+# -- reads made ahead (NOTE 2 of SchedulerRouting, SLOTROUTE_READ_AHEAD=1) -------------
+
+
+def test_blocks_in_flux_are_those_handed_out_or_written_since_the_last_output_and_none_while_one_is_due(routing):
+    out = [SimpleNamespace() for _ in range(4)]
+    routing.on_new_blocks([SimpleNamespace(block_id=b) for b in (1, 2)])
+    routing.seal_step(out[1])
+    assert routing.blocks_in_flux() == {1, 2}  # step 1 in flight, every earlier output in
+    routing.before_output(out[1])
+    routing.on_new_blocks([SimpleNamespace(block_id=3)])
+    routing.seal_step(out[2])
+    routing.write_after_allocation(np.array([5 * BLOCK + 1]), np.zeros((1, *SPEC.token_shape), SPEC.storage_dtype))
+    routing.on_new_blocks([SimpleNamespace(block_id=7)])  # handed out after the step was scheduled
+    assert routing.blocks_in_flux() == {3, 5, 7}
+    routing.seal_step(out[3])
+    assert routing.blocks_in_flux() is None  # step 2's output is still due: its rows are not stored
+
+
+def _ahead_step(monkeypatch):
+    """A SchedulerRouting reading ahead, step 1's output in and step 2 scheduled: ``a``
+    (48 prompt tokens over blocks 0-2) and ``b`` (48 over 3-5) complete their prefill in
+    step 2, which computes their last 16 tokens; block 3 was handed out in step 2."""
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    monkeypatch.setenv("SLOTROUTE_READ_AHEAD", "1")
+    manager = SchedulerRouting(SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0))
+    rows = fill(manager.core, 11)
+    first, second = SimpleNamespace(), SimpleNamespace(num_scheduled_tokens={"a": 16, "b": 16})
+    manager.core.seal_step(first)
+    manager.core.before_output(first)
+    manager.core.on_new_blocks([SimpleNamespace(block_id=3)])
+    manager.core.seal_step(second)
+    manager._scheduled = second
+    requests = {r: SimpleNamespace(num_output_tokens=0, num_prompt_tokens=48, num_computed_tokens=48,
+                                   sampling_params=None) for r in "ab"}
+    scheduler = SimpleNamespace(requests=requests, _re_block_ids={"a": [0, 1, 2], "b": [3, 4, 5]})
+    return manager, scheduler, second, rows
+
+
+def test_a_prompt_read_ahead_returns_the_rows_a_whole_read_at_its_output_returns(monkeypatch):
+    manager, scheduler, step, rows = _ahead_step(monkeypatch)
+    assert manager.reads_ahead
+    manager.read_ahead(scheduler)
+    assert set(manager._ahead) == {"a"}  # b's first block is in flux: b is read whole at its output
+    ahead = manager._ahead["a"][4]
+    np.testing.assert_array_equal(ahead[:32], expected(rows, [0, 1, 2], 32))
+    # step 2's output: its invalidations, then its rows (a's and b's last 16 tokens)
+    manager.core.before_output(step)
+    new = np.random.default_rng(12).integers(0, SPEC.num_experts, (32, *SPEC.token_shape)).astype(SPEC.storage_dtype)
+    slots = np.concatenate([np.arange(2 * BLOCK, 3 * BLOCK), np.arange(5 * BLOCK, 6 * BLOCK)])
+    manager.store_batch(new, slots)
+    rows[slots] = new
+    manager.match_reads_ahead(scheduler)
+    got_a = manager.get(scheduler._re_block_ids.pop("a"), 48)
+    assert got_a is ahead
+    np.testing.assert_array_equal(got_a, expected(rows, [0, 1, 2], 48))
+    assert manager.get(scheduler._re_block_ids.pop("b"), 48).shape == (0, *SPEC.token_shape)  # block 3 invalidated
+    assert len(manager.core._missing) == 1
+    manager.forget_reads_ahead()
+    assert not manager._ahead and not manager._ahead_by_list
+
+
+def test_a_read_other_than_the_one_made_ahead_is_read_whole(monkeypatch):
+    manager, scheduler, step, rows = _ahead_step(monkeypatch)
+    manager.read_ahead(scheduler)
+    ahead = manager._ahead["a"][4]
+    manager.core.before_output(step)
+    manager.match_reads_ahead(scheduler)
+    for args in (([0, 1, 2], 48), (scheduler._re_block_ids["a"], 48, 5), (scheduler._re_block_ids["a"], 40)):
+        got = manager.get(*args)
+        assert got is not ahead
+        np.testing.assert_array_equal(got, expected(rows, [0, 1, 2], *args[1:]))
+
+
+def test_no_read_is_made_ahead_while_an_earlier_output_is_due_or_with_the_reads_ahead_off(monkeypatch):
+    manager, scheduler, step, rows = _ahead_step(monkeypatch)
+    manager.core.seal_step(SimpleNamespace())  # a third step scheduled before step 2's output
+    manager._scheduled = step
+    manager.read_ahead(scheduler)
+    assert not manager._ahead and manager._scheduled is None
+    monkeypatch.delenv("SLOTROUTE_READ_AHEAD")
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    plain = SchedulerRouting(manager.core)
+    plain._scheduled = step
+    plain.read_ahead(scheduler)
+    assert not plain.reads_ahead and not plain._ahead

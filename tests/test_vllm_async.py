@@ -334,3 +334,36 @@ def test_abort_with_a_step_in_flight_leaves_other_requests_exact(async_llm, refe
     prefill chunk, which is still in flight."""
     log = run_scenario(scenarios.test_abort_leaves_no_state_and_other_requests_are_unaffected, async_llm, reference)
     assert hit_while_in_flight(log, "abort") == {"b"}
+
+
+# -- vLLM 0.28-0.30's prompt reads made ahead (NOTE 2 of SchedulerRouting) --------------
+
+
+@pytest.mark.skipif(scenarios.CONNECTOR_GENERATION, reason="the reads ahead are vLLM 0.28-0.30's scheduler's")
+def test_prompts_read_ahead_of_their_last_prefill_step_return_the_reference_routing(async_llm, reference):
+    """``SLOTROUTE_READ_AHEAD=1``: each prompt whose prefill completes in step s has
+    the rows stored before s read at the start of ``schedule()`` of s + 1, and the rows
+    of s's tokens added at s's output. The async scenarios above run again with it on
+    (prefix-cache hits, chunked prefill, preemption with a step in flight, the request
+    preempted while its last prefill chunk is in flight, reallocated blocks, an abort
+    with a step in flight): every request returns the synchronous reference's routing,
+    and reads were made ahead and served."""
+    routing = scheduler_of(async_llm).routed_experts_mgr
+    made, left = [], []
+    with StepLog() as log:
+        log.watch(routing, "match_reads_ahead", "made", lambda args, _: made.append(len(routing._ahead)), before=True)
+        log.watch(routing, "forget_reads_ahead", "left", lambda args, _: left.append(len(routing._ahead)),
+                  before=True)
+        routing.reads_ahead = True  # what the variable sets when the engine starts
+        try:
+            for scenario in (test_prefix_cache_hits_under_async_scheduling_return_the_reference_routing,
+                             test_requests_preempted_with_a_step_in_flight_return_the_reference_routing,
+                             test_request_preempted_while_its_last_prefill_chunk_is_in_flight_reads_its_own_prompt,
+                             test_evicted_cached_blocks_reused_under_async_scheduling_never_serve_stale_routing,
+                             test_abort_with_a_step_in_flight_leaves_other_requests_exact):
+                scenario(async_llm, reference)
+        finally:
+            routing.reads_ahead = False
+    assert sum(made) > 0, "no prompt was read ahead"
+    assert sum(made) - sum(left) > 0, "no read made ahead was served"
+    assert not routing._ahead and not routing._ahead_by_list and routing._scheduled is None

@@ -41,7 +41,7 @@ import os
 import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV",
-           "READ_AT_FINISH_ENV", "capture_copy_once", "register", "unsupported_reason"]
+           "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -54,6 +54,9 @@ LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 # Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
 # prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
 READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
+# Set to 1 (vLLM 0.28-0.30, async scheduling): a prompt's rows stored before its last
+# prefill step are read while that step runs (``SchedulerRouting.read_ahead``).
+READ_AHEAD_ENV = "SLOTROUTE_READ_AHEAD"
 # 1: the worker's capture writes a step's rows with one kernel after the last MoE layer
 # (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see
 # capture_copy_once.

@@ -110,6 +110,8 @@ class SlotRouting:
         # (step, block ids to invalidate, or (slots, rows) to write) to apply when that
         # step's output arrives, in the order they were queued.
         self._pending: deque[tuple[int, list[int] | tuple[np.ndarray, np.ndarray]]] = deque()
+        # The step of the last output that arrived (before_output).
+        self._arrived = 0
         # (marker returned by read, the error) for reads that failed in this output.
         self._missing: list[tuple[np.ndarray, MissingRoutingError]] = []
         # Ids of the requests of a step whose routing failed its check, in this output.
@@ -185,15 +187,35 @@ class SlotRouting:
         An output with no tag (not seen by ``seal_step``) applies all of them: early
         invalidation can only turn a read into an error, never into stale data.
         """
+        step = self._arrived = getattr(scheduler_output, _STEP_ATTR, self._step)
         if not self._pending:
             return
-        step = getattr(scheduler_output, _STEP_ATTR, self._step)
         while self._pending and self._pending[0][0] <= step:
             change = self._pending.popleft()[1]
             if type(change) is tuple:
                 self.store.store_batch(change[1], change[0])
             else:
                 self.store.invalidate_blocks(change)
+
+    def blocks_in_flux(self) -> set[int] | None:
+        """Between steps, before ``schedule()``: the blocks whose stored routing may
+        change before the output of the step scheduled last is stored (handed out in
+        that step or since, or with rows queued to be written), or ``None`` while an
+        output of an earlier step is still due (rows of its tokens not stored yet).
+
+        The rows of any other block's slots, read now, are what a read of the same
+        slots returns when that output arrives: until then only its invalidations and
+        rows are stored (NOTE 1), and its rows go to slots of tokens it computed.
+        Bounded by the blocks handed out in one step."""
+        if self._arrived != self._step - 1:
+            return None
+        blocks = set(self._allocated)
+        for _, change in self._pending:
+            if type(change) is tuple:
+                blocks.update((np.asarray(change[0]) // self.store.block_size).tolist())
+            else:
+                blocks.update(change)
+        return blocks
 
     def fail_step(self, scheduler_output, slot_mapping, error: str = "") -> None:
         """A step whose routing failed the worker's check: drop the blocks it wrote (a

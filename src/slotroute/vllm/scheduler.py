@@ -12,8 +12,12 @@ read finishes with an error.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from slotroute.spec import MissingRoutingError
+from slotroute.vllm import READ_AHEAD_ENV
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.routing import SlotRouting
@@ -37,17 +41,40 @@ class SchedulerRouting:
 
     Invariant: as ``SlotRouting``'s; ``get`` never raises into vLLM for a missing row.
 
+    NOTE 2 (read-ahead, ``SLOTROUTE_READ_AHEAD=1``): with async scheduling vLLM
+    schedules step N+1 while step N runs and only then waits for N's output, whose
+    ``update_from_output`` reads the whole prompt of each request whose prefill
+    completes in N, while the much shorter step N+1 (a decode step, often) runs. At
+    the start of ``schedule()`` of N+1, :meth:`read_ahead` reads those prompts' rows of
+    the tokens computed before N, stored by then, into the arrays ``get`` returns; at
+    N's output ``get`` adds the rows of N's tokens. A read ahead is made only where it
+    returns what the whole read at the output would (``SlotRouting.blocks_in_flux``),
+    and used only for the read it was made for (the same tokens over the same blocks);
+    any other read is made whole, as without it.
+
     Parameters
     ----------
     core
         The routing core, sized to the KV block pool.
+    reads_ahead
+        NOTE 2 on; ``None``: as ``SLOTROUTE_READ_AHEAD=1`` says, off when unset.
     """
 
-    def __init__(self, core: SlotRouting) -> None:
+    def __init__(self, core: SlotRouting, reads_ahead: bool | None = None) -> None:
         self.core = core
         self.store = core.store
         # Read by vLLM's scheduler: the KV cache group whose blocks it reads rows over.
         self.attn_gid = core.attn_gid
+        if reads_ahead is None:
+            reads_ahead = os.environ.get(READ_AHEAD_ENV) == "1"
+        self.reads_ahead = reads_ahead
+        # The output of the step scheduled last, while it may have prompts to read ahead.
+        self._scheduled = None
+        # NOTE 2's reads made: request id -> (the block ids read over, num_tokens,
+        # token_start, tokens read, the array); and, for the output being updated, id
+        # of the block-id list vLLM passes to ``get`` -> (that list, the request id).
+        self._ahead: dict[str, tuple[list, int, int, int, np.ndarray]] = {}
+        self._ahead_by_list: dict[int, tuple[list, str]] = {}
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
@@ -81,7 +108,68 @@ class SchedulerRouting:
         ValueError, IndexError
             As ``RoutedExpertsManager.get`` for malformed arguments (a vLLM bug).
         """
+        if self._ahead_by_list:
+            matched = self._ahead_by_list.pop(id(block_ids), None)
+            ahead = self._ahead.pop(matched[1], None) if matched is not None and matched[0] is block_ids else None
+            if ahead is not None:
+                blocks, tokens, start, read, rows = ahead
+                if (num_tokens, token_start) == (tokens, start) and block_ids[:len(blocks)] == blocks:
+                    try:
+                        self.store.get(block_ids, num_tokens, read, out=rows[read - start:])
+                    except MissingRoutingError as error:
+                        return self.core.missing(error)
+                    return rows
         return self.core.read(block_ids, num_tokens, token_start)
+
+    def read_ahead(self, scheduler) -> None:
+        """At the start of ``schedule()``: NOTE 2's reads for the step scheduled last.
+        Off, or with no step waiting (vLLM's synchronous loop, whose outputs all
+        arrived), one attribute test."""
+        scheduled, self._scheduled = self._scheduled, None
+        if scheduled is None or not self.reads_ahead:
+            return
+        requests, snapshots = scheduler.requests, scheduler._re_block_ids
+        reads = []
+        for req_id, num_scheduled in scheduled.num_scheduled_tokens.items():
+            request, block_ids = requests.get(req_id), snapshots.get(req_id)
+            if request is None or block_ids is None or request.num_output_tokens:
+                continue
+            num_tokens, computed = request.num_prompt_tokens, request.num_computed_tokens
+            start = getattr(request.sampling_params, "routed_experts_prompt_start", None) or 0
+            read = computed - num_scheduled  # the tokens computed before that step
+            if 0 <= start < read < num_tokens <= computed:  # its prefill completes in it
+                reads.append((req_id, block_ids, num_tokens, start, read))
+        if not reads:
+            return
+        in_flux = self.core.blocks_in_flux()
+        if in_flux is None:
+            return
+        block_size, spec = self.store.block_size, self.store.spec
+        for req_id, block_ids, num_tokens, start, read in reads:
+            blocks = list(block_ids[:(read - 1) // block_size + 1])
+            if not in_flux.isdisjoint(blocks[start // block_size:]):
+                continue
+            rows = np.empty((num_tokens - start, *spec.token_shape), dtype=spec.storage_dtype)
+            try:
+                self.store.get(blocks, read, start, out=rows[:read - start])
+            except MissingRoutingError:
+                continue  # read whole at the output, where it fails its request
+            self._ahead[req_id] = (blocks, num_tokens, start, read, rows)
+
+    def match_reads_ahead(self, scheduler) -> None:
+        """Before vLLM's ``update_from_output``: key each read made ahead by the
+        block-id list vLLM will pass for it (its request's ``_re_block_ids`` entry)."""
+        snapshots = scheduler._re_block_ids
+        for req_id in self._ahead:
+            block_ids = snapshots.get(req_id)
+            if block_ids is not None:
+                self._ahead_by_list[id(block_ids)] = (block_ids, req_id)
+
+    def forget_reads_ahead(self) -> None:
+        """After vLLM's ``update_from_output``: drop the reads made ahead that it did
+        not make (a request aborted or preempted meanwhile)."""
+        self._ahead.clear()
+        self._ahead_by_list.clear()
 
     def snapshot_prompt_blocks(self, scheduler, num_scheduled_tokens) -> None:
         """Keep, in vLLM's ``scheduler._re_block_ids``, the block ids of each scheduled
@@ -193,14 +281,19 @@ def _make_scheduler_init(original):
 
 
 def _make_schedule(original):
-    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``: tags each
-    step so its block invalidations apply when its output arrives."""
+    """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.schedule``: makes the
+    reads ahead of the step scheduled before (:meth:`SchedulerRouting.read_ahead`) and
+    tags each step so its block invalidations apply when its output arrives."""
 
     def schedule(self, *args, **kwargs):
-        scheduler_output = original(self, *args, **kwargs)
         routing = getattr(self, "routed_experts_mgr", None)
-        if isinstance(routing, SchedulerRouting):
-            routing.core.seal_step(scheduler_output)
+        if not isinstance(routing, SchedulerRouting):
+            return original(self, *args, **kwargs)
+        routing.read_ahead(self)
+        scheduler_output = original(self, *args, **kwargs)
+        routing.core.seal_step(scheduler_output)
+        if routing.reads_ahead and scheduler_output.num_scheduled_tokens:
+            routing._scheduled = scheduler_output
         return scheduler_output
 
     return schedule
@@ -233,7 +326,8 @@ def _make_update_after_schedule(original):
 
 def _make_update_from_output(original):
     """Wraps ``vllm/v1/core/sched/scheduler.py`` ``Scheduler.update_from_output``:
-    invalidates before the step's ``store_batch``, drops a failed step's blocks, and
+    invalidates before the step's ``store_batch``, drops a failed step's blocks, hands
+    vLLM's prompt reads the rows read ahead (NOTE 2 of :class:`SchedulerRouting`), and
     fails the requests whose read missed or whose step failed."""
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -244,7 +338,13 @@ def _make_update_from_output(original):
         step = model_runner_output.routed_experts
         if step is not None and is_failed_step(step.routing_data, step.slot_mapping):
             routing.core.fail_step(scheduler_output, step.slot_mapping)
-        outputs = original(self, scheduler_output, model_runner_output)
+        if routing._ahead:
+            routing.match_reads_ahead(self)
+        try:
+            outputs = original(self, scheduler_output, model_runner_output)
+        finally:
+            if routing._ahead or routing._ahead_by_list:
+                routing.forget_reads_ahead()
         routing.after_output(self, outputs)
         return outputs
 
