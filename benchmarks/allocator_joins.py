@@ -74,7 +74,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child)))
         return
-    env = {k: v for k, v in os.environ.items() if k not in allocator_environment(os.environ)}
+    allocator = allocator_environment(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in allocator}
     print(f"{CONVERSATIONS} conversations x {TURNS} turns, reads of {READ_BYTES >> 10} KiB: the joins' page faults")
     print("| allocator | reads freed | reads kept |\n|---|---|---|")
     for name, extra in ALLOCATORS.items():

@@ -732,7 +732,8 @@ def test_a_run_under_the_allocators_variables_records_them_and_is_continued_only
     tuned = "glibc.malloc.trim_threshold=1073741824"
 
     def call(**env):
-        base = {k: v for k, v in os.environ.items() if k not in gpu_engine.allocator_environment(os.environ)}
+        allocator = gpu_engine.allocator_environment(os.environ)
+        base = {k: v for k, v in os.environ.items() if k not in allocator}
         return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0"],
                               capture_output=True, text=True, env=dict(base, **env))
 
