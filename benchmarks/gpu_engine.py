@@ -407,6 +407,11 @@ def child(args) -> None:
 
         llm._run_engine = started_engine
 
+    manager = getattr(scheduler, "routed_experts_mgr", None)
+
+    def reads_ahead() -> tuple[int, int]:
+        return (getattr(manager, "reads_made_ahead", 0), getattr(manager, "reads_served_ahead", 0))
+
     def run(prompts, n, starts=None):
         params = [
             SamplingParams(
@@ -459,6 +464,7 @@ def child(args) -> None:
             calls.clear()
         call_added_s.clear()
         pool.update(added=0, added_bytes=0)
+        made, served = reads_ahead()
         began = time.perf_counter()
         generated = requests = 0
         if name == "rollout":
@@ -501,6 +507,9 @@ def child(args) -> None:
             # the part of the turn starts spent adding the requests, before the engine's first step
             turn_add_ms=None if None in call_added_s else 1e3 * sum(
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
+            # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
+            # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD unset)
+            reads_made_ahead=reads_ahead()[0] - made, reads_served_ahead=reads_ahead()[1] - served,
         )
 
     results = {}
@@ -1329,12 +1338,15 @@ def main() -> None:
             pool = "" if entry["config"] not in SLOTROUTE_CONFIGS else (
                 f"; host pool {entry['host_reserved_bytes'] / 2**20:.1f} MiB reserved, chunks added "
                 + ", ".join(f"{r['host_pool_chunks_added']} ({r['host_pool_bytes_added'] / 2**20:.1f} MiB)" for r in results))
+            ahead = "" if not any(r.get("reads_made_ahead") for r in results) else (
+                "; prompts read ahead (served) " + ", ".join(f"{r['reads_made_ahead']} ({r['reads_served_ahead']})"
+                                                             for r in results))
             exit_s = entry["wall_s"] - entry["elapsed_s"]
             print(f"round {entry['round']} {entry['config']}: import {entry['import_s']:.0f} s, start "
                   f"{entry['start_s']:.0f} s, warm-up {entry['warm_up_s']:.0f} s, Python's start and exit {exit_s:.0f} s, "
                   + ", ".join(f"{w} {r['tok_s']:.0f} tok/s" + ("" if "passes" not in r else
                                                               " (passes " + ", ".join(f"{p['tok_s']:.0f}" for p in r["passes"]) + ")")
-                              for w, r in entry["results"].items()) + pool, flush=True)
+                              for w, r in entry["results"].items()) + pool + ahead, flush=True)
         if args.json:
             write_json(Path(args.json), state)
     done = [c for c in state["children"] if "results" in c]

@@ -172,6 +172,7 @@ def test_a_prompt_read_ahead_returns_the_rows_a_whole_read_at_its_output_returns
     assert manager.reads_ahead
     manager.read_ahead(scheduler)
     assert set(manager._ahead) == {"a"}  # b's first block is in flux: b is read whole at its output
+    assert (manager.reads_made_ahead, manager.reads_served_ahead) == (1, 0)
     ahead = manager._ahead["a"][4]
     np.testing.assert_array_equal(ahead[:32], expected(rows, [0, 1, 2], 32))
     # step 2's output: its invalidations, then its rows (a's and b's last 16 tokens)
@@ -182,7 +183,7 @@ def test_a_prompt_read_ahead_returns_the_rows_a_whole_read_at_its_output_returns
     rows[slots] = new
     manager.match_reads_ahead(scheduler)
     got_a = manager.get(scheduler._re_block_ids.pop("a"), 48)
-    assert got_a is ahead
+    assert got_a is ahead and (manager.reads_made_ahead, manager.reads_served_ahead) == (1, 1)
     np.testing.assert_array_equal(got_a, expected(rows, [0, 1, 2], 48))
     assert manager.get(scheduler._re_block_ids.pop("b"), 48).shape == (0, *SPEC.token_shape)  # block 3 invalidated
     assert len(manager.core._missing) == 1
@@ -198,7 +199,7 @@ def test_a_read_other_than_the_one_made_ahead_is_read_whole(monkeypatch):
     manager.match_reads_ahead(scheduler)
     for args in (([0, 1, 2], 48), (scheduler._re_block_ids["a"], 48, 5), (scheduler._re_block_ids["a"], 40)):
         got = manager.get(*args)
-        assert got is not ahead
+        assert got is not ahead and manager.reads_served_ahead == 0
         np.testing.assert_array_equal(got, expected(rows, [0, 1, 2], *args[1:]))
 
 

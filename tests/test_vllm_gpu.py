@@ -314,6 +314,38 @@ def test_step_whose_routing_fails_its_check_fails_its_request_alone(llm, gpu_ref
     print(f"RESULT failing step ({RUNNER}): the request failed alone, the engine served on with exact routing")
 
 
+@pytest.mark.skipif(connector_generation(), reason="the reads ahead are vLLM 0.28-0.30's scheduler's")
+def test_prompts_read_ahead_of_their_last_prefill_step_match_the_reference(llm, gpu_reference, oracle):
+    """``SLOTROUTE_READ_AHEAD=1`` (``SchedulerRouting``'s NOTE 2) under the engine's
+    async scheduling, with CUDA graphs: prompts with prefix-cache hits and prompts
+    prefilled in chunks have the rows stored before their last prefill step read while
+    it runs, and that step's rows added at its output; every request equals the lone
+    run's rows and transformers' routers, and reads were made ahead and served."""
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "the reads ahead need a step in flight"
+    routing = routing_of(scheduler_of(llm))
+    made, served = routing.reads_made_ahead, routing.reads_served_ahead
+    on = routing.reads_ahead
+    routing.reads_ahead = True  # what the variable sets when the engine starts
+    try:
+        llm.reset_prefix_cache()
+        generate(llm, [PREFIX_PROMPTS[0]], greedy(8))  # warm the cache
+        got = generate(llm, PREFIX_PROMPTS, greedy(8))
+        chunked = [ABORT_PROMPTS[name] for name in "ac"]  # 300 and 420 tokens over a budget of 256
+        got_chunked = generate(llm, chunked, greedy(10))
+    finally:
+        routing.reads_ahead = on
+    for g, prompt in zip(got, PREFIX_PROMPTS):
+        assert_same_routing(g, gpu_reference(prompt, 8), oracle)
+    for g, prompt in zip(got_chunked, chunked):
+        assert_same_routing(g, gpu_reference(prompt, 10), oracle)
+    made, served = routing.reads_made_ahead - made, routing.reads_served_ahead - served
+    print(f"RESULT reads ahead ({RUNNER}): {made} prompts read ahead, {served} served, of "
+          f"{len(PREFIX_PROMPTS) + 1 + len(chunked)} requests")
+    assert made > 0, "no prompt was read ahead"
+    assert served > 0, "no read made ahead was served"
+    assert not routing._ahead and not routing._ahead_by_list
+
+
 def test_routing_equals_the_top_k_of_transformers_routers(llm, oracle):
     """transformers' Qwen3-MoE in float32 on the same GPU, over the prompt and the
     generated tokens: its routers pick the experts vLLM returned, except at near-ties."""

@@ -75,6 +75,9 @@ class SchedulerRouting:
         # of the block-id list vLLM passes to ``get`` -> (that list, the request id).
         self._ahead: dict[str, tuple[list, int, int, int, np.ndarray]] = {}
         self._ahead_by_list: dict[int, tuple[list, str]] = {}
+        # NOTE 2's reads made and served since the engine started (what a benchmark reports)
+        self.reads_made_ahead = 0
+        self.reads_served_ahead = 0
 
     @classmethod
     def for_vllm(cls, vllm_config, kv_cache_config) -> SchedulerRouting:
@@ -118,6 +121,7 @@ class SchedulerRouting:
                         self.store.get(block_ids, num_tokens, read, out=rows[read - start:])
                     except MissingRoutingError as error:
                         return self.core.missing(error)
+                    self.reads_served_ahead += 1
                     return rows
         return self.core.read(block_ids, num_tokens, token_start)
 
@@ -155,6 +159,7 @@ class SchedulerRouting:
             except MissingRoutingError:
                 continue  # read whole at the output, where it fails its request
             self._ahead[req_id] = (blocks, num_tokens, start, read, rows)
+            self.reads_made_ahead += 1
 
     def match_reads_ahead(self, scheduler) -> None:
         """Before vLLM's ``update_from_output``: key each read made ahead by the
