@@ -53,9 +53,12 @@ committed at start, and ``slotroute-at-finish``: on vLLM 0.31+, each request's r
 read when it finishes, none of its prompt's read ahead while it decodes
 (``SLOTROUTE_READ_AT_FINISH=1``), ``slotroute-per-layer``: the worker's capture
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
-instead of once after the last MoE layer, and ``slotroute-ahead``: on vLLM 0.28-0.30,
-each prompt's rows stored before its last prefill step read while that step runs
-(``SLOTROUTE_READ_AHEAD=1``); each compared with slotroute in the same rounds.
+instead of once after the last MoE layer, ``slotroute-whole-reads``: on vLLM 0.28-0.30,
+each prompt read whole at its last prefill step's output, none of its rows read while
+that step runs (``SLOTROUTE_READ_AHEAD=0``), and ``slotroute-ahead``: those reads ahead
+set explicitly (``SLOTROUTE_READ_AHEAD=1``, slotroute's default since they were measured;
+the configuration of the run that measured them); each compared with slotroute in the
+same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
 workloads N times in its engine, each pass on an empty prefix cache: a child's figures
@@ -96,16 +99,19 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_READ_AT_FINISH=1``), against which it measures the prompt's read-ahead;
 # and slotroute copying each MoE layer's routing as its router runs
 # (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step;
-# and slotroute reading vLLM 0.28-0.30's prompts ahead of their last prefill step's
-# output (``SLOTROUTE_READ_AHEAD=1``), measured against reading them whole there.
-EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-ahead")
+# and slotroute reading vLLM 0.28-0.30's prompts whole at their last prefill step's output
+# (``SLOTROUTE_READ_AHEAD=0``), against which it measures reading them ahead of it, which
+# ``slotroute-ahead`` sets explicitly (``SLOTROUTE_READ_AHEAD=1``, the default).
+EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-ahead",
+                 "slotroute-whole-reads")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
 CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_LAZY_STORE": "1"},
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
               "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
-              "slotroute-ahead": {"SLOTROUTE_READ_AHEAD": "1"}}
+              "slotroute-ahead": {"SLOTROUTE_READ_AHEAD": "1"},
+              "slotroute-whole-reads": {"SLOTROUTE_READ_AHEAD": "0"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -508,7 +514,7 @@ def child(args) -> None:
             turn_add_ms=None if None in call_added_s else 1e3 * sum(
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
-            # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD unset)
+            # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD=0)
             reads_made_ahead=reads_ahead()[0] - made, reads_served_ahead=reads_ahead()[1] - served,
         )
 
@@ -875,7 +881,8 @@ RESOLVING_ROUNDS = 3
 COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", "off", None),
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
                ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-ahead", None),
-               ("slotroute-ahead", "off", 0.99), ("slotroute-ahead", "vllm", 1.0))
+               ("slotroute-ahead", "off", 0.99), ("slotroute-ahead", "vllm", 1.0),
+               ("slotroute", "slotroute-whole-reads", None))
 
 
 def split_rounds(children: list[dict]) -> list[int]:

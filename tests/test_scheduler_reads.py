@@ -128,7 +128,7 @@ def test_the_scheduler_built_for_vllm_reads_into_arrays_of_their_own(monkeypatch
         np.testing.assert_array_equal(result, expected(rows, blocks, 60, start))
 
 
-# -- reads made ahead (NOTE 2 of SchedulerRouting, SLOTROUTE_READ_AHEAD=1) -------------
+# -- reads made ahead (NOTE 2 of SchedulerRouting, on unless SLOTROUTE_READ_AHEAD=0) ----
 
 
 def test_blocks_in_flux_are_those_handed_out_or_written_since_the_last_output_and_none_while_one_is_due(routing):
@@ -147,12 +147,12 @@ def test_blocks_in_flux_are_those_handed_out_or_written_since_the_last_output_an
 
 
 def _ahead_step(monkeypatch):
-    """A SchedulerRouting reading ahead, step 1's output in and step 2 scheduled: ``a``
+    """A SchedulerRouting reading ahead (the default), step 1's output in and step 2 scheduled: ``a``
     (48 prompt tokens over blocks 0-2) and ``b`` (48 over 3-5) complete their prefill in
     step 2, which computes their last 16 tokens; block 3 was handed out in step 2."""
     from slotroute.vllm.scheduler import SchedulerRouting
 
-    monkeypatch.setenv("SLOTROUTE_READ_AHEAD", "1")
+    monkeypatch.delenv("SLOTROUTE_READ_AHEAD", raising=False)
     manager = SchedulerRouting(SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0))
     rows = fill(manager.core, 11)
     first, second = SimpleNamespace(), SimpleNamespace(num_scheduled_tokens={"a": 16, "b": 16})
@@ -209,10 +209,22 @@ def test_no_read_is_made_ahead_while_an_earlier_output_is_due_or_with_the_reads_
     manager._scheduled = step
     manager.read_ahead(scheduler)
     assert not manager._ahead and manager._scheduled is None
-    monkeypatch.delenv("SLOTROUTE_READ_AHEAD")
+    monkeypatch.setenv("SLOTROUTE_READ_AHEAD", "0")
     from slotroute.vllm.scheduler import SchedulerRouting
 
     plain = SchedulerRouting(manager.core)
     plain._scheduled = step
     plain.read_ahead(scheduler)
     assert not plain.reads_ahead and not plain._ahead
+
+
+@pytest.mark.parametrize("setting", ["yes", "2", "off"])
+def test_a_reads_ahead_setting_other_than_0_or_1_names_the_variable(monkeypatch, setting):
+    from slotroute.vllm.scheduler import SchedulerRouting
+
+    monkeypatch.setenv("SLOTROUTE_READ_AHEAD", setting)
+    core = SlotRouting(RoutedExpertsManager(SPEC, num_blocks=64, block_size=BLOCK), attn_gid=0)
+    with pytest.raises(ValueError, match="SLOTROUTE_READ_AHEAD must be 0, 1 or unset"):
+        SchedulerRouting(core)
+    monkeypatch.setenv("SLOTROUTE_READ_AHEAD", " 1 ")
+    assert SchedulerRouting(core).reads_ahead

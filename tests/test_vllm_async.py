@@ -12,6 +12,7 @@ the overlap it relies on happened.
 from __future__ import annotations
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -340,21 +341,24 @@ def test_abort_with_a_step_in_flight_leaves_other_requests_exact(async_llm, refe
 
 
 @pytest.mark.skipif(scenarios.CONNECTOR_GENERATION, reason="the reads ahead are vLLM 0.28-0.30's scheduler's")
-def test_prompts_read_ahead_of_their_last_prefill_step_return_the_reference_routing(async_llm, reference):
-    """``SLOTROUTE_READ_AHEAD=1``: each prompt whose prefill completes in step s has
-    the rows stored before s read at the start of ``schedule()`` of s + 1, and the rows
-    of s's tokens added at s's output. The async scenarios above run again with it on
-    (prefix-cache hits, chunked prefill, preemption with a step in flight, the request
-    preempted while its last prefill chunk is in flight, reallocated blocks, an abort
-    with a step in flight): every request returns the synchronous reference's routing,
-    and reads were made ahead and served."""
+@pytest.mark.parametrize("ahead", [True, False], ids=["reads-ahead", "whole-reads"])
+def test_prompts_read_ahead_of_their_last_prefill_step_return_the_reference_routing(async_llm, reference, ahead):
+    """Reads ahead (the default; ``SLOTROUTE_READ_AHEAD=0`` turns them off): each
+    prompt whose prefill completes in step s has the rows stored before s read at the
+    start of ``schedule()`` of s + 1, and the rows of s's tokens added at s's output.
+    The async scenarios above run again with them on and with them off (prefix-cache
+    hits, chunked prefill, preemption with a step in flight, the request preempted while
+    its last prefill chunk is in flight, reallocated blocks, an abort with a step in
+    flight): every request returns the synchronous reference's routing; reads were
+    made ahead and served when on, none when off."""
     routing = scheduler_of(async_llm).routed_experts_mgr
-    made, left = [], []
+    made, left, was = [], [], routing.reads_ahead
+    assert was is (os.environ.get("SLOTROUTE_READ_AHEAD", "").strip() != "0"), "on unless the variable is 0"
     with StepLog() as log:
         log.watch(routing, "match_reads_ahead", "made", lambda args, _: made.append(len(routing._ahead)), before=True)
         log.watch(routing, "forget_reads_ahead", "left", lambda args, _: left.append(len(routing._ahead)),
                   before=True)
-        routing.reads_ahead = True  # what the variable sets when the engine starts
+        routing.reads_ahead = ahead  # what the variable sets when the engine starts
         try:
             for scenario in (test_prefix_cache_hits_under_async_scheduling_return_the_reference_routing,
                              test_requests_preempted_with_a_step_in_flight_return_the_reference_routing,
@@ -363,7 +367,10 @@ def test_prompts_read_ahead_of_their_last_prefill_step_return_the_reference_rout
                              test_abort_with_a_step_in_flight_leaves_other_requests_exact):
                 scenario(async_llm, reference)
         finally:
-            routing.reads_ahead = False
-    assert sum(made) > 0, "no prompt was read ahead"
-    assert sum(made) - sum(left) > 0, "no read made ahead was served"
+            routing.reads_ahead = was
+    if ahead:
+        assert sum(made) > 0, "no prompt was read ahead"
+        assert sum(made) - sum(left) > 0, "no read made ahead was served"
+    else:
+        assert sum(made) == 0, "a prompt was read ahead with the reads ahead off"
     assert not routing._ahead and not routing._ahead_by_list and routing._scheduled is None

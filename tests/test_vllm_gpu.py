@@ -316,8 +316,8 @@ def test_step_whose_routing_fails_its_check_fails_its_request_alone(llm, gpu_ref
 
 @pytest.mark.skipif(connector_generation(), reason="the reads ahead are vLLM 0.28-0.30's scheduler's")
 def test_prompts_read_ahead_of_their_last_prefill_step_match_the_reference(llm, gpu_reference, oracle):
-    """``SLOTROUTE_READ_AHEAD=1`` (``SchedulerRouting``'s NOTE 2) under the engine's
-    async scheduling, with CUDA graphs: prompts with prefix-cache hits and prompts
+    """Reads ahead (``SchedulerRouting``'s NOTE 2, on unless ``SLOTROUTE_READ_AHEAD=0``)
+    under the engine's async scheduling, with CUDA graphs: prompts with prefix-cache hits and prompts
     prefilled in chunks have the rows stored before their last prefill step read while
     it runs, and that step's rows added at its output; every request equals the lone
     run's rows and transformers' routers, and reads were made ahead and served."""
@@ -325,7 +325,7 @@ def test_prompts_read_ahead_of_their_last_prefill_step_match_the_reference(llm, 
     routing = routing_of(scheduler_of(llm))
     made, served = routing.reads_made_ahead, routing.reads_served_ahead
     on = routing.reads_ahead
-    routing.reads_ahead = True  # what the variable sets when the engine starts
+    routing.reads_ahead = True  # the default, whatever the variable set when the engine started
     try:
         llm.reset_prefix_cache()
         generate(llm, [PREFIX_PROMPTS[0]], greedy(8))  # warm the cache

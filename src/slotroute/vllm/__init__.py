@@ -54,8 +54,9 @@ LAZY_STORE_ENV = "SLOTROUTE_LAZY_STORE"
 # Set to 1 (vLLM 0.31+): a request's rows are all read when it finishes, none of its
 # prompt's read ahead while it decodes (NOTE 3 of ``ConnectorRouting``).
 READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
-# Set to 1 (vLLM 0.28-0.30, async scheduling): a prompt's rows stored before its last
-# prefill step are read while that step runs (``SchedulerRouting.read_ahead``).
+# Set to 0 (vLLM 0.28-0.30, async scheduling): each prompt read whole at its last prefill
+# step's output, none of its rows stored before that step read while it runs
+# (``SchedulerRouting.read_ahead``, on by default).
 READ_AHEAD_ENV = "SLOTROUTE_READ_AHEAD"
 # 1: the worker's capture writes a step's rows with one kernel after the last MoE layer
 # (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see

@@ -41,7 +41,7 @@ class SchedulerRouting:
 
     Invariant: as ``SlotRouting``'s; ``get`` never raises into vLLM for a missing row.
 
-    NOTE 2 (read-ahead, ``SLOTROUTE_READ_AHEAD=1``): with async scheduling vLLM
+    NOTE 2 (read-ahead, on unless ``SLOTROUTE_READ_AHEAD=0``): with async scheduling vLLM
     schedules step N+1 while step N runs and only then waits for N's output, whose
     ``update_from_output`` reads the whole prompt of each request whose prefill
     completes in N, while the much shorter step N+1 (a decode step, often) runs. At
@@ -57,7 +57,12 @@ class SchedulerRouting:
     core
         The routing core, sized to the KV block pool.
     reads_ahead
-        NOTE 2 on; ``None``: as ``SLOTROUTE_READ_AHEAD=1`` says, off when unset.
+        NOTE 2 on; ``None``: on unless ``SLOTROUTE_READ_AHEAD=0``.
+
+    Raises
+    ------
+    ValueError
+        ``SLOTROUTE_READ_AHEAD`` set to anything but 0 or 1 (the engine does not start).
     """
 
     def __init__(self, core: SlotRouting, reads_ahead: bool | None = None) -> None:
@@ -66,7 +71,10 @@ class SchedulerRouting:
         # Read by vLLM's scheduler: the KV cache group whose blocks it reads rows over.
         self.attn_gid = core.attn_gid
         if reads_ahead is None:
-            reads_ahead = os.environ.get(READ_AHEAD_ENV) == "1"
+            setting = (os.environ.get(READ_AHEAD_ENV) or "").strip()
+            if setting not in ("", "0", "1"):
+                raise ValueError(f"{READ_AHEAD_ENV} must be 0, 1 or unset, got {setting!r}")
+            reads_ahead = setting != "0"
         self.reads_ahead = reads_ahead
         # The output of the step scheduled last, while it may have prompts to read ahead.
         self._scheduled = None
