@@ -228,3 +228,26 @@ def test_a_reads_ahead_setting_other_than_0_or_1_names_the_variable(monkeypatch,
         SchedulerRouting(core)
     monkeypatch.setenv("SLOTROUTE_READ_AHEAD", " 1 ")
     assert SchedulerRouting(core).reads_ahead
+
+
+def test_the_reads_ahead_look_up_only_the_requests_still_prefilling(monkeypatch):
+    """After a step of 256 decoding requests and one prefilling one, ``read_ahead``
+    looks up the prefilling request alone (the decoding ones hold no block-id
+    snapshot): its cost follows the prompts in flight, not the batch."""
+    manager, scheduler, step, rows = _ahead_step(monkeypatch)
+
+    class Counted(dict):
+        looked_up: list = []
+
+        def get(self, key, default=None):
+            self.looked_up.append(key)
+            return super().get(key, default)
+
+    decoding = {f"d{i}": SimpleNamespace(num_output_tokens=3, num_prompt_tokens=20, num_computed_tokens=22,
+                                         sampling_params=None) for i in range(256)}
+    step.num_scheduled_tokens = {**{r: 1 for r in decoding}, "a": 16}
+    scheduler.requests = Counted({**decoding, "a": scheduler.requests["a"]})
+    del scheduler._re_block_ids["b"]
+    assert manager.reads_ahead
+    manager.read_ahead(scheduler)
+    assert Counted.looked_up == ["a"] and set(manager._ahead) == {"a"}

@@ -135,16 +135,19 @@ class SchedulerRouting:
 
     def read_ahead(self, scheduler) -> None:
         """At the start of ``schedule()``: NOTE 2's reads for the step scheduled last.
-        Off, or with no step waiting (vLLM's synchronous loop, whose outputs all
-        arrived), one attribute test."""
+        Off, or with no step waiting, one attribute test; otherwise bounded by the
+        requests still prefilling (those with a block-id snapshot,
+        :meth:`snapshot_prompt_blocks`), not by the step's requests: a decode step's
+        requests cost nothing here."""
         scheduled, self._scheduled = self._scheduled, None
         if scheduled is None or not self.reads_ahead:
             return
         requests, snapshots = scheduler.requests, scheduler._re_block_ids
+        counts = scheduled.num_scheduled_tokens
         reads = []
-        for req_id, num_scheduled in scheduled.num_scheduled_tokens.items():
-            request, block_ids = requests.get(req_id), snapshots.get(req_id)
-            if request is None or block_ids is None or request.num_output_tokens:
+        for req_id, block_ids in snapshots.items():
+            num_scheduled, request = counts.get(req_id), requests.get(req_id)
+            if num_scheduled is None or request is None or request.num_output_tokens:
                 continue
             num_tokens, computed = request.num_prompt_tokens, request.num_computed_tokens
             start = getattr(request.sampling_params, "routed_experts_prompt_start", None) or 0
