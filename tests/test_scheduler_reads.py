@@ -147,9 +147,10 @@ def test_blocks_in_flux_are_those_handed_out_or_written_since_the_last_output_an
 
 
 def _ahead_step(monkeypatch):
-    """A SchedulerRouting reading ahead (the default), step 1's output in and step 2 scheduled: ``a``
-    (48 prompt tokens over blocks 0-2) and ``b`` (48 over 3-5) complete their prefill in
-    step 2, which computes their last 16 tokens; block 3 was handed out in step 2."""
+    """A SchedulerRouting reading ahead (the default), step 1's output in and step 2
+    scheduled: ``a`` (48 prompt tokens over blocks 0-2) and ``b`` (48 over 3-5) complete
+    their prefill in step 2, which computes their last 16 tokens; block 3 was handed out
+    in step 2."""
     from slotroute.vllm.scheduler import SchedulerRouting
 
     monkeypatch.delenv("SLOTROUTE_READ_AHEAD", raising=False)
