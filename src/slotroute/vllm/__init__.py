@@ -41,7 +41,8 @@ import os
 import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV",
-           "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "unsupported_reason"]
+           "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "switch_setting",
+           "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -115,6 +116,21 @@ def _patch_set(name: str) -> list:
     return getattr(importlib.import_module(module), function)()
 
 
+def switch_setting(name: str, setting: str | None) -> str:
+    """The value of the on/off variable ``name`` (``setting``, ``None`` where unset):
+    ``"0"``, ``"1"`` or ``""`` (unset or empty), surrounding blanks dropped.
+
+    Raises
+    ------
+    ValueError
+        Any other value, naming the variable.
+    """
+    value = (setting or "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{name} must be 0, 1 or unset, got {setting!r}")
+    return value
+
+
 def capture_copy_once(device_type: str, setting: str | None) -> bool:
     """Whether the worker's capturer writes a step's rows with one copy after the last
     MoE layer (``copy_once``), from ``SLOTROUTE_CAPTURE_COPY_ONCE``'s value (``None``
@@ -124,9 +140,7 @@ def capture_copy_once(device_type: str, setting: str | None) -> bool:
     step's CUDA graph, and one stack spares all but one of them; on the CPU each copy is
     a memcpy, and holding the ids until the last layer buys nothing.
     """
-    value = (setting or "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{COPY_ONCE_ENV} must be 0, 1 or unset, got {setting!r}")
+    value = switch_setting(COPY_ONCE_ENV, setting)
     return value == "1" or (value == "" and device_type == "cuda")
 
 

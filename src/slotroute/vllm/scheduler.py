@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from slotroute.spec import MissingRoutingError
-from slotroute.vllm import READ_AHEAD_ENV
+from slotroute.vllm import READ_AHEAD_ENV, switch_setting
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.routing import SlotRouting
@@ -71,10 +71,7 @@ class SchedulerRouting:
         # Read by vLLM's scheduler: the KV cache group whose blocks it reads rows over.
         self.attn_gid = core.attn_gid
         if reads_ahead is None:
-            setting = (os.environ.get(READ_AHEAD_ENV) or "").strip()
-            if setting not in ("", "0", "1"):
-                raise ValueError(f"{READ_AHEAD_ENV} must be 0, 1 or unset, got {setting!r}")
-            reads_ahead = setting != "0"
+            reads_ahead = switch_setting(READ_AHEAD_ENV, os.environ.get(READ_AHEAD_ENV)) != "0"
         self.reads_ahead = reads_ahead
         # The output of the step scheduled last, while it may have prompts to read ahead.
         self._scheduled = None
