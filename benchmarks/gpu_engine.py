@@ -488,6 +488,7 @@ def child(args) -> None:
                 starts = [len(h) for h in history] if name == "multi-turn-start" else None
                 prompts = [h + turn_rng.integers(1000, 150000, turn_gen).tolist() for h in history]
         wall = time.perf_counter() - began
+        made_after, served_after = reads_ahead()
         steps = max(timer.calls.get("steps", 0), 1)
         return dict(
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
@@ -515,7 +516,7 @@ def child(args) -> None:
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
             # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD=0)
-            reads_made_ahead=reads_ahead()[0] - made, reads_served_ahead=reads_ahead()[1] - served,
+            reads_made_ahead=made_after - made, reads_served_ahead=served_after - served,
         )
 
     results = {}

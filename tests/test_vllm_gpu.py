@@ -317,10 +317,11 @@ def test_step_whose_routing_fails_its_check_fails_its_request_alone(llm, gpu_ref
 @pytest.mark.skipif(connector_generation(), reason="the reads ahead are vLLM 0.28-0.30's scheduler's")
 def test_prompts_read_ahead_of_their_last_prefill_step_match_the_reference(llm, gpu_reference, oracle):
     """Reads ahead (``SchedulerRouting``'s NOTE 2, on unless ``SLOTROUTE_READ_AHEAD=0``)
-    under the engine's async scheduling, with CUDA graphs: prompts with prefix-cache hits and prompts
-    prefilled in chunks have the rows stored before their last prefill step read while
-    it runs, and that step's rows added at its output; every request equals the lone
-    run's rows and transformers' routers, and reads were made ahead and served."""
+    under the engine's async scheduling, with CUDA graphs: prompts with prefix-cache
+    hits and prompts prefilled in chunks have the rows stored before their last prefill
+    step read while it runs, and that step's rows added at its output; every request
+    equals the lone run's rows and transformers' routers, and reads were made ahead and
+    served."""
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "the reads ahead need a step in flight"
     routing = routing_of(scheduler_of(llm))
     made, served = routing.reads_made_ahead, routing.reads_served_ahead
