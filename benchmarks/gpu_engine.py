@@ -55,9 +55,11 @@ read when it finishes, none of its prompt's read ahead while it decodes
 copying each MoE layer's routing as its router runs (``SLOTROUTE_CAPTURE_COPY_ONCE=0``)
 instead of once after the last MoE layer, ``slotroute-whole-reads``: on vLLM 0.28-0.30,
 each prompt read whole at its last prefill step's output, none of its rows read while
-that step runs (``SLOTROUTE_READ_AHEAD=0``), and ``slotroute-ahead``: those reads ahead
+that step runs (``SLOTROUTE_READ_AHEAD=0``), ``slotroute-ahead``: those reads ahead
 set explicitly (``SLOTROUTE_READ_AHEAD=1``, slotroute's default since they were measured;
-the configuration of the run that measured them); each compared with slotroute in the
+the configuration of the run that measured them), and ``slotroute-joins``: the front
+end joining each request's rows when it finishes, as vLLM does, instead of filling one
+array as they come (``SLOTROUTE_JOIN_AT_FINISH=1``); each compared with slotroute in the
 same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
@@ -101,9 +103,11 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_CAPTURE_COPY_ONCE=0``), against which it measures its one copy a step;
 # and slotroute reading vLLM 0.28-0.30's prompts whole at their last prefill step's output
 # (``SLOTROUTE_READ_AHEAD=0``), against which it measures reading them ahead of it, which
-# ``slotroute-ahead`` sets explicitly (``SLOTROUTE_READ_AHEAD=1``, the default).
+# ``slotroute-ahead`` sets explicitly (``SLOTROUTE_READ_AHEAD=1``, the default); and the
+# front end joining each request's rows at finish, as vLLM does
+# (``SLOTROUTE_JOIN_AT_FINISH=1``), against which it measures filling one array.
 EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-ahead",
-                 "slotroute-whole-reads")
+                 "slotroute-whole-reads", "slotroute-joins")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
 SLOTROUTE_CONFIGS = ("slotroute",) + EXTRA_CONFIGS
 # Each configuration's environment variables; the others' are removed from its child.
@@ -111,7 +115,8 @@ CONFIG_ENV = {"vllm": {"SLOTROUTE_DISABLE": "1"}, "slotroute-lazy": {"SLOTROUTE_
               "slotroute-at-finish": {"SLOTROUTE_READ_AT_FINISH": "1"},
               "slotroute-per-layer": {"SLOTROUTE_CAPTURE_COPY_ONCE": "0"},
               "slotroute-ahead": {"SLOTROUTE_READ_AHEAD": "1"},
-              "slotroute-whole-reads": {"SLOTROUTE_READ_AHEAD": "0"}}
+              "slotroute-whole-reads": {"SLOTROUTE_READ_AHEAD": "0"},
+              "slotroute-joins": {"SLOTROUTE_JOIN_AT_FINISH": "1"}}
 QWEN3_30B_A3B = dict(
     architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
     moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
@@ -883,7 +888,7 @@ COMPARISONS = (("slotroute", "off", 0.99), ("slotroute", "vllm", 1.0), ("vllm", 
                ("slotroute", "slotroute-lazy", None), ("slotroute", "slotroute-at-finish", None),
                ("slotroute", "slotroute-per-layer", None), ("slotroute", "slotroute-ahead", None),
                ("slotroute-ahead", "off", 0.99), ("slotroute-ahead", "vllm", 1.0),
-               ("slotroute", "slotroute-whole-reads", None))
+               ("slotroute", "slotroute-whole-reads", None), ("slotroute", "slotroute-joins", None))
 
 
 def split_rounds(children: list[dict]) -> list[int]:

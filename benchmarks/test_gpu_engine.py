@@ -215,7 +215,7 @@ def test_summary_calls_a_difference_resolved_when_every_round_agrees():
 
 
 @pytest.mark.parametrize("variant", ["slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer",
-                                     "slotroute-ahead", "slotroute-whole-reads"])
+                                     "slotroute-ahead", "slotroute-whole-reads", "slotroute-joins"])
 def test_each_slotroute_variant_is_compared_with_slotroute_in_the_same_rounds_and_nothing_claimed(variant):
     children = [child(r, c, v) for r, c, v in [(1, "slotroute", 103), (1, variant, 100),
                                                (2, variant, 81), (2, "slotroute", 82)]]
@@ -247,11 +247,15 @@ def test_each_child_gets_its_configurations_variables_and_none_of_the_others():
     assert gpu_engine.child_environment("slotroute-whole-reads", inherited) == dict(
         PATH="/bin", SLOTROUTE_READ_AHEAD="0")
     assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_READ_AHEAD="0")) == dict(PATH="/bin")
+    assert gpu_engine.child_environment("slotroute-joins", inherited) == dict(
+        PATH="/bin", SLOTROUTE_JOIN_AT_FINISH="1")
+    assert gpu_engine.child_environment("slotroute", dict(PATH="/bin", SLOTROUTE_JOIN_AT_FINISH="1")) == dict(
+        PATH="/bin")
     assert inherited["SLOTROUTE_LAZY_STORE"] == "1"  # the parent's environment is left as it was
 
 
 KNOWN = {"--configs": "off, vllm, slotroute, slotroute-lazy, slotroute-at-finish, slotroute-per-layer, "
-                      "slotroute-ahead, slotroute-whole-reads",
+                      "slotroute-ahead, slotroute-whole-reads, slotroute-joins",
          "--workloads": "rollout, multi-turn, multi-turn-start"}
 
 

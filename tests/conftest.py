@@ -221,7 +221,9 @@ outcomes = [plugin.register(), plugin.register()]
 from slotroute.vllm.patches import is_installed
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.output_processor import RequestState
 print(json.dumps({"outcomes": outcomes, "patched": is_installed(BlockPool.get_new_blocks),
+                  "front_end_patched": is_installed(RequestState._new_completion_output),
                   "scheduler_patched": [is_installed(Scheduler.__init__), is_installed(Scheduler.update_from_output)],
                   "lines": lines}))
 """

@@ -90,6 +90,31 @@ def test_routed_experts_has_a_row_per_forwarded_token_and_every_decoder_layer(ll
     assert got.routed.shape == (70 + 6 - 1, TINY["num_layers"], TINY["top_k"])
 
 
+def test_the_front_end_hands_out_each_requests_rows_without_joining_them_at_finish(llm, reference, monkeypatch):
+    """vLLM's front end joins a request's arrays of rows with ``np.concatenate`` when it
+    finishes; slotroute's ``RequestRows`` fills one array as they come instead: no join
+    runs, and every request's rows are the lone run's."""
+    import vllm.v1.engine.output_processor as output_processor
+
+    joins = []
+
+    class Numpy:  # the front end's numpy, its joins counted
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def concatenate(self, *args, **kwargs):
+            joins.append(args)
+            return np.concatenate(*args, **kwargs)
+
+    monkeypatch.setattr(output_processor, "np", Numpy())
+    prompts = [prompt_tokens(30 + i, 40 + 9 * i) for i in range(3)]
+    got = generate(llm, prompts, greedy(7))
+    assert joins == []
+    monkeypatch.undo()
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 7))
+
+
 def test_dense_layer_rows_hold_zero_and_moe_rows_hold_distinct_experts(llm):
     (got,) = generate(llm, [prompt_tokens(2, 50)], greedy(4))
     assert (got.routed[:, list(DENSE_LAYERS)] == 0).all()

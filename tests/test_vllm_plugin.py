@@ -62,13 +62,28 @@ def test_disable_switch_leaves_vllm_unpatched():
 def test_register_patches_the_installed_vllm_once():
     found = probe()
     assert found["outcomes"] == ["slotroute", "slotroute"]
-    assert found["patched"]
+    assert found["patched"] and found["front_end_patched"]
+
+
+def test_join_at_finish_leaves_the_front_ends_rows_to_vllm_and_patches_the_rest():
+    found = probe(SLOTROUTE_JOIN_AT_FINISH="1")
+    assert found["outcomes"] == ["slotroute", "slotroute"]
+    assert found["patched"] and not found["front_end_patched"]
+
+
+def test_a_join_at_finish_setting_other_than_0_or_1_is_refused_naming_the_variable():
+    result = subprocess.run(
+        [sys.executable, "-c", "import slotroute.vllm as p; p.register()"],
+        env={**os.environ, "SLOTROUTE_JOIN_AT_FINISH": "yes"}, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode != 0
+    assert "SLOTROUTE_JOIN_AT_FINISH must be 0, 1 or unset, got 'yes'" in result.stderr
 
 
 def test_cpu_capture_only_mode_leaves_the_scheduler_to_vllm():
     found = probe(SLOTROUTE_VLLM_MODE="cpu-capture-only")
     assert found["outcomes"] == ["cpu-capture-only"] * 2
-    assert not found["patched"]
+    assert not found["patched"] and not found["front_end_patched"]
 
 
 def test_unknown_mode_is_rejected_naming_the_modes():

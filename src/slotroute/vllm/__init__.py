@@ -23,6 +23,9 @@ Environment:
     The scheduler's store is paged in as steps first write each page, instead of
     being committed when the engine starts (its whole capacity, ``routed_experts``
     bytes per KV slot, in host memory from the start; ``store.py``, NOTE 4).
+``SLOTROUTE_JOIN_AT_FINISH=1``
+    The front end keeps each request's rows as vLLM does, a list of arrays joined when
+    it finishes, instead of one array filled as they come (``outputs.py``).
 ``SLOTROUTE_CAPTURE_COPY_ONCE``
     ``1``: the worker writes a step's routing into its capture buffer with one kernel
     after the last MoE layer's router, instead of one copy per MoE layer (NOTE 5 of
@@ -40,8 +43,8 @@ import logging
 import os
 import re
 
-__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "LAZY_STORE_ENV", "LOGGER_NAME", "MODES", "MODE_ENV",
-           "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "switch_setting",
+__all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "JOIN_AT_FINISH_ENV", "LAZY_STORE_ENV", "LOGGER_NAME",
+           "MODES", "MODE_ENV", "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "switch_setting",
            "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
@@ -59,6 +62,9 @@ READ_AT_FINISH_ENV = "SLOTROUTE_READ_AT_FINISH"
 # step's output, none of its rows stored before that step read while it runs
 # (``SchedulerRouting.read_ahead``, on by default).
 READ_AHEAD_ENV = "SLOTROUTE_READ_AHEAD"
+# Set to 1: the front end joins each request's rows when it finishes, as vLLM does,
+# instead of filling one array as they come (``outputs.py``, on by default).
+JOIN_AT_FINISH_ENV = "SLOTROUTE_JOIN_AT_FINISH"
 # 1: the worker's capture writes a step's rows with one kernel after the last MoE layer
 # (NOTE 5 of ``RoutedExpertsCapturer``); 0: one copy per MoE layer; unset: see
 # capture_copy_once.
@@ -68,14 +74,15 @@ MODES = ("slotroute", "cpu-capture-only")
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of
 # the patch sets in ``_PATCH_SETS``. 0.28-0.30 have a slot-indexed routed-experts path
 # (a scheduler-side RoutedExpertsManager) that slotroute's store replaces; 0.31-0.32
-# have an aux-output connector that slotroute's connector replaces.
+# have an aux-output connector that slotroute's connector replaces. Every generation's
+# front end keeps each request's rows in one array (``outputs.py``).
 ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
-    (0, 28): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
-    (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests"),
-    (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2"),
-    (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
-    (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector"),
-    (0, 33): ("cpu", "connector_0_33", "runner_v1_connector", "runner_v2_connector"),
+    (0, 28): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests", "outputs"),
+    (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests", "outputs"),
+    (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2", "outputs"),
+    (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "outputs"),
+    (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "outputs"),
+    (0, 33): ("cpu", "connector_0_33", "runner_v1_connector", "runner_v2_connector", "outputs"),
 }
 SUPPORTED = tuple(sorted(ADAPTERS))
 _SUPPORTED_TEXT = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
@@ -107,6 +114,7 @@ _PATCH_SETS = {
     "runner_v1_connector": ("slotroute.vllm.runner_v1", "v1_runner_connector_patches"),
     "runner_v2_connector": ("slotroute.vllm.runner_v2_connector", "v2_runner_connector_patches"),
     "requests": ("slotroute.vllm.requests", "request_patches"),
+    "outputs": ("slotroute.vllm.outputs", "output_patches"),
 }
 
 
@@ -165,7 +173,8 @@ def register() -> str:
     Raises
     ------
     ValueError
-        If ``SLOTROUTE_VLLM_MODE`` names no mode.
+        If ``SLOTROUTE_VLLM_MODE`` names no mode, or ``SLOTROUTE_JOIN_AT_FINISH`` is set
+        to anything but 0 or 1.
     """
     global _outcome
     if _outcome is not None:
@@ -177,6 +186,7 @@ def register() -> str:
     mode = os.environ.get(MODE_ENV, "").strip() or MODES[0]
     if mode not in MODES:
         raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    join_at_finish = switch_setting(JOIN_AT_FINISH_ENV, os.environ.get(JOIN_AT_FINISH_ENV)) == "1"
     import vllm
 
     reason = unsupported_reason(vllm.__version__)
@@ -189,6 +199,8 @@ def register() -> str:
 
     major_minor = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", vllm.__version__).groups())
     names = ADAPTERS[major_minor] if mode == "slotroute" else ("cpu",)
+    if join_at_finish:
+        names = tuple(name for name in names if name != "outputs")
     try:
         patches = [patch for name in names for patch in _patch_set(name)]
         apply(patches)
