@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
 import numpy as np
+from gpu_engine import _spread as spread
 
 from slotroute.vllm.outputs import RequestRows
 
@@ -44,6 +44,7 @@ class VllmRows(list):
 
 
 WAYS = {"vllm": lambda room: VllmRows(), "slotroute": RequestRows}
+FIGURES = ("prompts_ms", "appends_ms", "finishing_ms", "total_ms")  # what ``run`` times
 
 
 def prompt_rows(tokens: int, seed: int) -> np.ndarray:
@@ -81,10 +82,6 @@ def run(way: str, workload: dict) -> dict:
                 total_ms=1e3 * (prompts + appends + finishing))
 
 
-def spread(values: list[float]) -> dict:
-    return dict(median=statistics.median(values), min=min(values), max=max(values))
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -102,18 +99,18 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for name in WORKLOADS:
         for way in WAYS:
-            cells = {key: spread([r[name][way][key] for r in rounds]) for key in ("prompts_ms", "appends_ms", "finishing_ms", "total_ms")}
+            cells = {key: spread([r[name][way][key] for r in rounds]) for key in FIGURES}
             summary[f"{name} {way}"] = cells
             print(f"| {name} | {way} | " + " | ".join(f"{c['median']:.1f} ({c['min']:.1f}-{c['max']:.1f})"
                                                     for c in cells.values()) + " |")
     print("| workload | slotroute / vllm, finishing (same-round) | slotroute / vllm, all (same-round) |")
     print("|---|---|---|")
     for name in WORKLOADS:
-        ratios = {key: [r[name]["slotroute"][key] / r[name]["vllm"][key] for r in rounds]
-                  for key in ("finishing_ms", "total_ms")}
-        summary[f"{name} ratios"] = {key: spread(values) for key, values in ratios.items()}
-        print(f"| {name} | " + " | ".join(f"{statistics.median(v):.3f} ({min(v):.3f}-{max(v):.3f})"
-                                          for v in ratios.values()) + " |")
+        ratios = summary[f"{name} ratios"] = {
+            key: spread([r[name]["slotroute"][key] / r[name]["vllm"][key] for r in rounds])
+            for key in ("finishing_ms", "total_ms")}
+        print(f"| {name} | " + " | ".join(f"{c['median']:.3f} ({c['min']:.3f}-{c['max']:.3f})"
+                                          for c in ratios.values()) + " |")
     if args.json:
         with open(args.json, "w") as out:
             json.dump(dict(rounds=rounds, summary=summary), out, indent=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import frontend_rows
+import pytest
 
 
 def test_frontend_rows_reports_both_ways_and_the_finishing_steps_without_joins(tmp_path, capsys):
@@ -28,8 +29,6 @@ def test_frontend_rows_reports_both_ways_and_the_finishing_steps_without_joins(t
 
 
 def test_rounds_below_one_are_refused(capsys):
-    import pytest
-
     with pytest.raises(SystemExit):
         frontend_rows.main(["--rounds", "0"])
     assert "--rounds takes a count of 1 or more, got 0" in capsys.readouterr().err
