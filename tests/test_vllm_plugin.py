@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import connector_generation, probe, prompt_tokens
 
-from slotroute.vllm import capture_copy_once, unsupported_reason
+from slotroute.vllm import SWITCHES, capture_copy_once, unsupported_reason
 
 pytestmark = pytest.mark.vllm
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
@@ -71,13 +71,14 @@ def test_join_at_finish_leaves_the_front_ends_rows_to_vllm_and_patches_the_rest(
     assert found["patched"] and not found["front_end_patched"]
 
 
-def test_a_join_at_finish_setting_other_than_0_or_1_is_refused_naming_the_variable():
+@pytest.mark.parametrize("name", SWITCHES)
+def test_an_on_off_setting_other_than_0_or_1_stops_register_naming_the_variable(name):
     result = subprocess.run(
         [sys.executable, "-c", "import slotroute.vllm as p; p.register()"],
-        env={**os.environ, "SLOTROUTE_JOIN_AT_FINISH": "yes"}, capture_output=True, text=True, timeout=300,
+        env={**os.environ, name: "yes"}, capture_output=True, text=True, timeout=300,
     )
     assert result.returncode != 0
-    assert "SLOTROUTE_JOIN_AT_FINISH must be 0, 1 or unset, got 'yes'" in result.stderr
+    assert f"{name} must be 0, 1 or unset, got 'yes'" in result.stderr
 
 
 def test_cpu_capture_only_mode_leaves_the_scheduler_to_vllm():

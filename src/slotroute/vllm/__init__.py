@@ -44,7 +44,8 @@ import os
 import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "JOIN_AT_FINISH_ENV", "LAZY_STORE_ENV", "LOGGER_NAME",
-           "MODES", "MODE_ENV", "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "capture_copy_once", "register", "switch_setting",
+           "MODES", "MODE_ENV", "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "SWITCHES", "capture_copy_once", "register",
+           "switch_setting",
            "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
@@ -70,6 +71,10 @@ JOIN_AT_FINISH_ENV = "SLOTROUTE_JOIN_AT_FINISH"
 # capture_copy_once.
 COPY_ONCE_ENV = "SLOTROUTE_CAPTURE_COPY_ONCE"
 MODES = ("slotroute", "cpu-capture-only")
+# The on/off variables: each is 0, 1 or unset (switch_setting), checked by register() in
+# every process vLLM starts, so that a mistyped value stops the engine's start naming it
+# instead of leaving the switch silently at its default.
+SWITCHES = (LAZY_STORE_ENV, READ_AT_FINISH_ENV, READ_AHEAD_ENV, JOIN_AT_FINISH_ENV, COPY_ONCE_ENV)
 
 # The adapters of each vLLM generation slotroute serves, by (major, minor): names of
 # the patch sets in ``_PATCH_SETS``. 0.28-0.30 have a slot-indexed routed-experts path
@@ -173,8 +178,8 @@ def register() -> str:
     Raises
     ------
     ValueError
-        If ``SLOTROUTE_VLLM_MODE`` names no mode, or ``SLOTROUTE_JOIN_AT_FINISH`` is set
-        to anything but 0 or 1.
+        If ``SLOTROUTE_VLLM_MODE`` names no mode, or one of the on/off variables
+        (:data:`SWITCHES`) is set to anything but 0 or 1; the error names it.
     """
     global _outcome
     if _outcome is not None:
@@ -186,7 +191,8 @@ def register() -> str:
     mode = os.environ.get(MODE_ENV, "").strip() or MODES[0]
     if mode not in MODES:
         raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    join_at_finish = switch_setting(JOIN_AT_FINISH_ENV, os.environ.get(JOIN_AT_FINISH_ENV)) == "1"
+    switches = {name: switch_setting(name, os.environ.get(name)) for name in SWITCHES}
+    join_at_finish = switches[JOIN_AT_FINISH_ENV] == "1"
     import vllm
 
     reason = unsupported_reason(vllm.__version__)
