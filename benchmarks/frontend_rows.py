@@ -13,10 +13,16 @@ then 256 more a turn) decoding 128 steps. Timed: the prompts' appends, the appen
 over every decode step, and the finishing step's joins (the step no forward hides, on
 a GPU); a turn's outputs are held while the next runs, as a caller holds them.
 
+With ``--connector``, the arrays are what slotroute's connector hands the front end on
+vLLM 0.31+: each request's rows, prompt and generated, in one array when it finishes
+(a fresh read); slotroute's ``RequestRows`` keeps it as it came (NOTE 2 of
+``outputs.py``) where vLLM's join copies it. Timed: the finishing step, the arrays'
+appends and the joins.
+
 Rounds interleave the two ways, the order alternating; the report gives each one's
 median (min-max) over rounds and the same-round ratios.
 
-    python benchmarks/frontend_rows.py [--rounds 7] [--json OUT]
+    python benchmarks/frontend_rows.py [--rounds 7] [--connector] [--json OUT]
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class VllmRows(list):
 
 
 WAYS = {"vllm": lambda room: VllmRows(), "slotroute": RequestRows}
+CONNECTOR_WAYS = {"vllm": lambda room: VllmRows(), "slotroute": lambda room: RequestRows(room, keep_first=True)}
 FIGURES = ("prompts_ms", "appends_ms", "finishing_ms", "total_ms")  # what ``run`` times
 
 
@@ -53,8 +60,10 @@ def prompt_rows(tokens: int, seed: int) -> np.ndarray:
     return rows
 
 
-def run(way: str, workload: dict) -> dict:
+def run(way: str, workload: dict, connector: bool = False) -> dict:
     """One workload's turns: seconds of appends and of the finishing steps' joins."""
+    if connector:
+        return run_connector(way, workload)
     make, requests, steps = WAYS[way], workload["requests"], workload["steps"]
     prompts = appends = finishing = 0.0
     held = []
@@ -82,9 +91,31 @@ def run(way: str, workload: dict) -> dict:
                 total_ms=1e3 * (prompts + appends + finishing))
 
 
+def run_connector(way: str, workload: dict) -> dict:
+    """One workload's turns as vLLM 0.31+ sends them: each request's rows in one array
+    at its finish, appended and joined in the finishing step."""
+    make, requests, steps = CONNECTOR_WAYS[way], workload["requests"], workload["steps"]
+    finishing = 0.0
+    held = []
+    for turn, tokens in enumerate(workload["prompts"]):
+        states = [make(steps) for _ in range(requests)]
+        reads = [prompt_rows(tokens + steps, turn * requests + i) for i in range(requests)]
+        began = time.perf_counter()
+        for state, read in zip(states, reads):
+            state.append(read)
+        outputs = [state.joined() for state in states]
+        finishing += time.perf_counter() - began
+        held = outputs
+        del states, reads
+    assert all(out.shape == (workload["prompts"][-1] + steps, LAYERS, TOP_K) for out in held)
+    return dict(prompts_ms=0.0, appends_ms=0.0, finishing_ms=1e3 * finishing, total_ms=1e3 * finishing)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--connector", action="store_true",
+                        help="vLLM 0.31+'s arrays: each request's rows in one array at finish")
     parser.add_argument("--json", help="write every round and the summary here")
     args = parser.parse_args(argv)
     if args.rounds < 1:
@@ -92,8 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     rounds = []
     for r in range(args.rounds):
         order = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
-        rounds.append({name: {way: run(way, workload) for way in order} for name, workload in WORKLOADS.items()})
-    print(f"{args.rounds} rounds, the two ways interleaved; ms, median (min-max) over rounds")
+        rounds.append({name: {way: run(way, workload, args.connector) for way in order}
+                       for name, workload in WORKLOADS.items()})
+    arrays = "vLLM 0.31+'s arrays, one a request at finish" if args.connector else "vLLM 0.28-0.30's arrays"
+    print(f"{args.rounds} rounds, the two ways interleaved, {arrays}; ms, median (min-max) over rounds")
     print("| workload | way | prompts' appends | appends over the decode steps | finishing steps' joins | all |")
     print("|---|---|---|---|---|---|")
     summary = {}

@@ -21,8 +21,8 @@ def rows(count: int, start: int = 0, dtype=np.uint8) -> np.ndarray:
     return values.astype(dtype).reshape(count, LAYERS, TOP_K).copy()  # owning its memory, as a read makes it
 
 
-def received(sizes: list[int], room: int) -> tuple[RequestRows, list[np.ndarray]]:
-    got, chunks, at = RequestRows(room), [], 0
+def received(sizes: list[int], room: int, keep_first: bool = False) -> tuple[RequestRows, list[np.ndarray]]:
+    got, chunks, at = RequestRows(room, keep_first), [], 0
     for size in sizes:
         chunk = rows(size, at)
         at += size
@@ -31,13 +31,13 @@ def received(sizes: list[int], room: int) -> tuple[RequestRows, list[np.ndarray]
     return got, chunks
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(prompt=st.integers(0, 40), steps=st.lists(st.integers(1, 3), max_size=30), room=st.integers(0, 60),
-       trims=st.lists(st.tuples(st.integers(0, 29), st.integers(0, 2)), max_size=3))
-def test_rows_handed_out_equal_vllms_join_of_the_arrays_received(prompt, steps, room, trims):
-    got, chunks = received([prompt, *steps], room)
+       trims=st.lists(st.tuples(st.integers(0, 29), st.integers(0, 2)), max_size=3), keep_first=st.booleans())
+def test_rows_handed_out_equal_vllms_join_of_the_arrays_received(prompt, steps, room, trims, keep_first):
+    got, chunks = received([prompt, *steps], room, keep_first)
     for at, drop in trims:  # vLLM 0.32+ trims the last array when a stop string drops tokens
-        if at < len(steps) and drop < len(chunks[-1]):
+        if at <= len(steps) and drop < len(chunks[-1]):
             trimmed = chunks[-1][:len(chunks[-1]) - drop]
             got[-1] = trimmed
             chunks[-1] = trimmed
@@ -108,3 +108,49 @@ def test_replacing_any_array_but_the_last_is_refused_and_changes_nothing(index):
     assert np.array_equal(got.joined(), np.concatenate(chunks))
     with pytest.raises(IndexError, match="no array received"):
         RequestRows(2)[-1] = rows(1)
+
+
+# -- vLLM 0.31+: the connector's arrays kept as they come (NOTE 2) --------------------
+
+
+def test_the_only_array_received_is_handed_out_as_it_came_when_kept_first():
+    """On 0.31+ slotroute's connector sends a request its rows once, at finish: the
+    front end hands out that array, no copy in the finishing step."""
+    for room in (None, 1, 256):
+        got = RequestRows(room, keep_first=True)
+        sent = rows(9)
+        got.append(sent)
+        assert got.joined() is sent and got.joined() is sent
+        assert [np.shares_memory(part, sent) and np.array_equal(part, sent) for part in got] == [True]
+
+
+def test_a_second_array_copies_both_into_one_that_shares_memory_with_neither():
+    """A request preempted with a step in flight gets its rows in two arrays: the first
+    stops being the request's rows once the second comes."""
+    first, second = rows(5), rows(3, 5)
+    got = RequestRows(4, keep_first=True)
+    got.append(first)
+    got.append(second)
+    joined = got.joined()
+    assert np.array_equal(joined, np.concatenate([first, second]))
+    assert not np.shares_memory(joined, first) and not np.shares_memory(joined, second)
+    first[:] = 0  # the arrays received may now go: the rows handed out do not change
+    assert np.array_equal(got.joined(), np.concatenate([rows(5), second]))
+
+
+def test_a_trimmed_only_array_is_handed_out_as_the_trim_left_it():
+    sent = rows(9)
+    got = RequestRows(4, keep_first=True)
+    got.append(sent)
+    got[-1] = sent[:7]  # vLLM 0.32+'s _trim_surplus_tokens
+    assert np.array_equal(got.joined(), sent[:7]) and np.shares_memory(got.joined(), sent)
+    got.append(rows(2, 7))
+    assert np.array_equal(got.joined(), rows(9))
+
+
+def test_a_kept_first_array_then_one_of_another_dtype_falls_back_to_vllms_join():
+    first, other = rows(4), rows(1, 4, dtype=np.int32)
+    got = RequestRows(8, keep_first=True)
+    got.append(first)
+    got.append(other)
+    assert np.array_equal(got.joined(), np.concatenate([first, other])) and got.joined().dtype == np.int32

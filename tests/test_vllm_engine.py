@@ -90,29 +90,49 @@ def test_routed_experts_has_a_row_per_forwarded_token_and_every_decoder_layer(ll
     assert got.routed.shape == (70 + 6 - 1, TINY["num_layers"], TINY["top_k"])
 
 
+def front_end_calls(llm, reference, monkeypatch, module, name: str, seed: int) -> list:
+    """The calls ``module`` makes to numpy's ``name`` while ``llm`` serves three
+    requests (each checked against the lone run)."""
+    calls = []
+
+    class Numpy:  # the module's numpy, its calls of ``name`` counted
+        def __getattr__(self, attr):
+            found = getattr(np, attr)
+            if attr != name:
+                return found
+
+            def counted(*args, **kwargs):
+                calls.append(args)
+                return found(*args, **kwargs)
+
+            return counted
+
+    monkeypatch.setattr(module, "np", Numpy())
+    prompts = [prompt_tokens(seed + i, 40 + 9 * i) for i in range(3)]
+    got = generate(llm, prompts, greedy(7))
+    monkeypatch.undo()
+    for g, prompt in zip(got, prompts):
+        assert_same_completion(g, reference(prompt, 7))
+    return calls
+
+
 def test_the_front_end_hands_out_each_requests_rows_without_joining_them_at_finish(llm, reference, monkeypatch):
     """vLLM's front end joins a request's arrays of rows with ``np.concatenate`` when it
     finishes; slotroute's ``RequestRows`` fills one array as they come instead: no join
     runs, and every request's rows are the lone run's."""
     import vllm.v1.engine.output_processor as output_processor
 
-    joins = []
+    assert front_end_calls(llm, reference, monkeypatch, output_processor, "concatenate", 30) == []
 
-    class Numpy:  # the front end's numpy, its joins counted
-        def __getattr__(self, name):
-            return getattr(np, name)
 
-        def concatenate(self, *args, **kwargs):
-            joins.append(args)
-            return np.concatenate(*args, **kwargs)
+@pytest.mark.skipif(not CONNECTOR_GENERATION, reason="vLLM 0.28-0.30 send a request's rows step by step, copied in as they come")
+def test_the_front_end_copies_no_row_of_a_request_whose_rows_came_at_once(llm, reference, monkeypatch):
+    """On vLLM 0.31+ slotroute's connector sends each request its rows when it
+    finishes, in one array: the front end hands that array out, allocating nothing
+    for it, and every request's rows are the lone run's."""
+    from slotroute.vllm import outputs
 
-    monkeypatch.setattr(output_processor, "np", Numpy())
-    prompts = [prompt_tokens(30 + i, 40 + 9 * i) for i in range(3)]
-    got = generate(llm, prompts, greedy(7))
-    assert joins == []
-    monkeypatch.undo()
-    for g, prompt in zip(got, prompts):
-        assert_same_completion(g, reference(prompt, 7))
+    assert front_end_calls(llm, reference, monkeypatch, outputs, "empty", 60) == []
 
 
 def test_dense_layer_rows_hold_zero_and_moe_rows_hold_distinct_experts(llm):

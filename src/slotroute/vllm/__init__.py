@@ -80,14 +80,15 @@ SWITCHES = (LAZY_STORE_ENV, READ_AT_FINISH_ENV, READ_AHEAD_ENV, JOIN_AT_FINISH_E
 # the patch sets in ``_PATCH_SETS``. 0.28-0.30 have a slot-indexed routed-experts path
 # (a scheduler-side RoutedExpertsManager) that slotroute's store replaces; 0.31-0.32
 # have an aux-output connector that slotroute's connector replaces. Every generation's
-# front end keeps each request's rows in one array (``outputs.py``).
+# front end keeps each request's rows in one array (``outputs.py``; on 0.31+ the
+# connector's arrays kept as they come, NOTE 2 there).
 ADAPTERS: dict[tuple[int, int], tuple[str, ...]] = {
     (0, 28): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests", "outputs"),
     (0, 29): ("cpu", "scheduler", "runner_v1", "runner_v2", "requests", "outputs"),
     (0, 30): ("cpu", "scheduler", "runner_v1", "runner_v2", "outputs"),
-    (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "outputs"),
-    (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "outputs"),
-    (0, 33): ("cpu", "connector_0_33", "runner_v1_connector", "runner_v2_connector", "outputs"),
+    (0, 31): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "connector_outputs"),
+    (0, 32): ("cpu", "connector", "runner_v1_connector", "runner_v2_connector", "connector_outputs"),
+    (0, 33): ("cpu", "connector_0_33", "runner_v1_connector", "runner_v2_connector", "connector_outputs"),
 }
 SUPPORTED = tuple(sorted(ADAPTERS))
 _SUPPORTED_TEXT = ", ".join(f"{major}.{minor}.x" for major, minor in SUPPORTED)
@@ -120,6 +121,7 @@ _PATCH_SETS = {
     "runner_v2_connector": ("slotroute.vllm.runner_v2_connector", "v2_runner_connector_patches"),
     "requests": ("slotroute.vllm.requests", "request_patches"),
     "outputs": ("slotroute.vllm.outputs", "output_patches"),
+    "connector_outputs": ("slotroute.vllm.outputs", "connector_output_patches"),
 }
 
 
@@ -206,7 +208,7 @@ def register() -> str:
     major_minor = tuple(int(part) for part in re.match(r"(\d+)\.(\d+)", vllm.__version__).groups())
     names = ADAPTERS[major_minor] if mode == "slotroute" else ("cpu",)
     if join_at_finish:
-        names = tuple(name for name in names if name != "outputs")
+        names = tuple(name for name in names if name not in ("outputs", "connector_outputs"))
     try:
         patches = [patch for name in names for patch in _patch_set(name)]
         apply(patches)

@@ -20,6 +20,17 @@ handed out as a view of that array where they fill at least half of it, else as 
 of them (a request that stopped early would otherwise keep up to its ``max_tokens``
 rows of memory). An array of another dtype or row shape than the first (none comes
 from slotroute's scheduler) turns the request back to vLLM's list and join.
+
+NOTE 2 (the array kept as received, vLLM 0.31+): slotroute's connector hands a request
+its rows when it finishes (and, if it is preempted with a step in flight, those read
+then), each array a fresh read or a view of a buffer read for that request alone; in
+another process than the engine core's each arrives as the view of a message frame of
+its own. None is memory that anything writes again, so on 0.31+ (``keep_first``) the
+first array is kept as it came, and one that is all the request gets is handed out as
+it is: no copy at all in the finishing step, where vLLM's join made one. A second array
+copies both into one array, as NOTE 1. On vLLM 0.28-0.30 a step's rows may be views of
+the pinned memory the worker writes again some steps later (in one process), so each
+array is copied in the step that brings it.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import numpy as np
 
 from slotroute.vllm.patches import Patch
 
-__all__ = ["RequestRows", "output_patches"]
+__all__ = ["RequestRows", "connector_output_patches", "output_patches"]
 
 OUTPUT_PROCESSOR = "vllm.v1.engine.output_processor"
 
@@ -42,21 +53,27 @@ class RequestRows:
     it runs, joins the same rows), and :meth:`joined` gives them at finish.
 
     Invariant: at most one of ``_rows`` (the filled array, its first ``_count`` rows
-    received, the last array's from ``_last``) and ``_chunks`` (vLLM's list, after an
-    array that does not fit) holds rows.
+    received, the last array's from ``_last``; with ``_owned`` false, the first array
+    received itself, NOTE 2) and ``_chunks`` (vLLM's list, after an array that does not
+    fit) holds rows.
 
     Parameters
     ----------
     room
         Rows expected after the first array (the request's ``max_tokens``); the filled
         array is sized for the first array's rows plus these, and doubles if more come.
+    keep_first
+        Keep the first array as received, copying it only when a second comes (NOTE 2):
+        only for arrays that nothing writes again.
     """
 
-    __slots__ = ("_chunks", "_count", "_last", "_room", "_rows")
+    __slots__ = ("_chunks", "_count", "_keep_first", "_last", "_owned", "_room", "_rows")
 
-    def __init__(self, room: int | None = 0) -> None:
+    def __init__(self, room: int | None = 0, keep_first: bool = False) -> None:
         self._room = max(int(room or 0), 1)
+        self._keep_first = keep_first
         self._rows: np.ndarray | None = None
+        self._owned = True
         self._count = 0
         self._last = 0
         self._chunks: list | None = None
@@ -71,13 +88,20 @@ class RequestRows:
             if not isinstance(chunk, np.ndarray) or chunk.ndim == 0:
                 self._chunks = [chunk]
                 return
+            if self._keep_first:  # NOTE 2
+                self._rows, self._owned, self._last, self._count = chunk, False, 0, len(chunk)
+                return
             held = self._rows = np.empty((len(chunk) + self._room, *chunk.shape[1:]), dtype=chunk.dtype)
         elif not (isinstance(chunk, np.ndarray) and chunk.dtype == held.dtype and chunk.shape[1:] == held.shape[1:]):
             self._chunks = [*self, chunk]
-            self._rows = None
+            self._rows, self._owned = None, True
             return
         end = self._count + len(chunk)
-        if end > len(held):
+        if not self._owned:  # the first array as received: both copied into one (NOTE 2)
+            held = np.empty((end + self._room, *held.shape[1:]), dtype=held.dtype)
+            held[:self._count] = self._rows[:self._count]
+            self._rows, self._owned = held, True
+        elif end > len(held):
             held = np.empty((max(end, 2 * len(held)), *held.shape[1:]), dtype=held.dtype)
             held[:self._count] = self._rows[:self._count]
             self._rows = held
@@ -99,6 +123,9 @@ class RequestRows:
                              + ("" if self else " with no array received"))
         if self._chunks is not None:
             self._chunks[-1] = chunk
+        elif not self._owned:  # the only array, as received: its replacement likewise
+            self._rows, self._owned, self._count = None, True, 0
+            self.append(chunk)
         else:
             self._count = self._last
             self.append(chunk)
@@ -112,11 +139,14 @@ class RequestRows:
         return iter(() if self._rows is None else (self._rows[:self._count],))
 
     def joined(self) -> np.ndarray | None:
-        """Every row received, in order (NOTE 1); ``None`` where none came."""
+        """Every row received, in order (NOTE 1); ``None`` where none came. The only
+        array received itself where it was kept as it came (NOTE 2)."""
         if self._chunks is not None:
             return np.concatenate(self._chunks, axis=0) if self._chunks else None
         if self._rows is None:
             return None
+        if not self._owned:
+            return self._rows
         rows = self._rows[:self._count]
         return rows if 2 * self._count >= len(self._rows) else rows.copy()
 
@@ -124,15 +154,19 @@ class RequestRows:
 # -- patches ------------------------------------------------------------------------
 
 
-def _make_request_state_init(original):
-    """Wraps ``vllm/v1/engine/output_processor.py`` ``RequestState.__init__``: the
-    request's rows in a :class:`RequestRows` sized for its ``max_tokens``."""
+def _request_state_init(keep_first: bool):
+    """The wrapper of ``vllm/v1/engine/output_processor.py`` ``RequestState.__init__``:
+    the request's rows in a :class:`RequestRows` sized for its ``max_tokens``, keeping
+    its first array as received where ``keep_first`` (NOTE 2)."""
 
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        self.routed_experts_chunks = RequestRows(self.max_tokens_param)
+    def make(original):
+        def __init__(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.routed_experts_chunks = RequestRows(self.max_tokens_param, keep_first)
 
-    return __init__
+        return __init__
+
+    return make
 
 
 def _make_new_completion_output(original):
@@ -155,14 +189,15 @@ def _make_new_completion_output(original):
     return _new_completion_output
 
 
-def output_patches() -> list[Patch]:
-    """The front end's rows of each request in one array (vLLM 0.28-0.33)."""
+def output_patches(keep_first: bool = False) -> list[Patch]:
+    """The front end's rows of each request in one array (vLLM 0.28-0.30), each array
+    copied in as it comes (NOTE 1)."""
     import vllm.v1.engine.output_processor as output_processor
 
     patches = [
         Patch(OUTPUT_PROCESSOR, "RequestState.__init__", None,
               ("self.max_tokens_param = max_tokens_param", "self.routed_experts_chunks: list[np.ndarray] = []"),
-              _make_request_state_init),
+              _request_state_init(keep_first)),
         Patch(OUTPUT_PROCESSOR, "RequestState._new_completion_output",
               ("self", "token_ids", "finish_reason", "stop_reason"),
               (("if finished and self.routed_experts_chunks:",
@@ -178,3 +213,9 @@ def output_patches() -> list[Patch]:
         patches.append(Patch(OUTPUT_PROCESSOR, "OutputProcessor._trim_surplus_tokens", None,
                              ("req_state.routed_experts_chunks[-1] = output.routed_experts[:-num_dropped]",), None))
     return patches
+
+
+def connector_output_patches() -> list[Patch]:
+    """The front end's rows of each request on vLLM 0.31-0.33, where slotroute's
+    connector sends them: the first array kept as it comes (NOTE 2)."""
+    return output_patches(keep_first=True)
