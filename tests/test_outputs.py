@@ -124,6 +124,17 @@ def test_the_only_array_received_is_handed_out_as_it_came_when_kept_first():
         assert [np.shares_memory(part, sent) and np.array_equal(part, sent) for part in got] == [True]
 
 
+def test_an_only_array_that_came_read_only_is_handed_out_as_a_writable_copy():
+    """vLLM's decoder makes an array small enough to travel inside the message a
+    read-only view of its bytes; vLLM's join handed out a writable array, and so does
+    this."""
+    sent = np.frombuffer(rows(2).tobytes(), dtype=np.uint8).reshape(2, LAYERS, TOP_K)
+    got = RequestRows(4, keep_first=True)
+    got.append(sent)
+    joined = got.joined()
+    assert not sent.flags.writeable and joined.flags.writeable and np.array_equal(joined, rows(2))
+
+
 def test_a_second_array_copies_both_into_one_that_shares_memory_with_neither():
     """A request preempted with a step in flight gets its rows in two arrays: the first
     stops being the request's rows once the second comes."""

@@ -27,10 +27,13 @@ then), each array a fresh read or a view of a buffer read for that request alone
 another process than the engine core's each arrives as the view of a message frame of
 its own. None is memory that anything writes again, so on 0.31+ (``keep_first``) the
 first array is kept as it came, and one that is all the request gets is handed out as
-it is: no copy at all in the finishing step, where vLLM's join made one. A second array
-copies both into one array, as NOTE 1. On vLLM 0.28-0.30 a step's rows may be views of
-the pinned memory the worker writes again some steps later (in one process), so each
-array is copied in the step that brings it.
+it is: no copy at all in the finishing step, where vLLM's join made one (but for an
+array that came read-only, as vLLM's decoder makes one small enough to travel inside the
+message's bytes: it is handed out as a copy, writable as the join's). A second array
+copies both into one array, as NOTE 1. On vLLM 0.28-0.30 the prompt's rows come first
+and a decode step's row follows at every step, so keeping the first would spare
+nothing; each is copied in as it comes, which also lets go of the decode rows' views of
+the worker's pinned memory (in one process), reused only once no view of it is alive.
 """
 
 from __future__ import annotations
@@ -145,8 +148,8 @@ class RequestRows:
             return np.concatenate(self._chunks, axis=0) if self._chunks else None
         if self._rows is None:
             return None
-        if not self._owned:
-            return self._rows
+        if not self._owned:  # writable, as vLLM's join made it (a small array may come as read-only bytes)
+            return self._rows if self._rows.flags.writeable else self._rows.copy()
         rows = self._rows[:self._count]
         return rows if 2 * self._count >= len(self._rows) else rows.copy()
 
