@@ -59,8 +59,8 @@ that step runs (``SLOTROUTE_READ_AHEAD=0``), ``slotroute-ahead``: those reads ah
 set explicitly (``SLOTROUTE_READ_AHEAD=1``, slotroute's default since they were measured;
 the configuration of the run that measured them), and ``slotroute-joins``: the front
 end joining each request's rows when it finishes, as vLLM does, instead of filling one
-array as they come (``SLOTROUTE_JOIN_AT_FINISH=1``); each compared with slotroute in the
-same rounds.
+array as they come (on 0.31+, instead of handing out the connector's array as it came;
+``SLOTROUTE_JOIN_AT_FINISH=1``); each compared with slotroute in the same rounds.
 ``--workloads`` runs some of the three workloads only (each child then takes less device
 time: more rounds fit a session). ``--passes N`` has each counted child run each of its
 workloads N times in its engine, each pass on an empty prefix cache: a child's figures
@@ -105,7 +105,8 @@ CONFIGS = ("off", "vllm", "slotroute")
 # (``SLOTROUTE_READ_AHEAD=0``), against which it measures reading them ahead of it, which
 # ``slotroute-ahead`` sets explicitly (``SLOTROUTE_READ_AHEAD=1``, the default); and the
 # front end joining each request's rows at finish, as vLLM does
-# (``SLOTROUTE_JOIN_AT_FINISH=1``), against which it measures filling one array.
+# (``SLOTROUTE_JOIN_AT_FINISH=1``), against which it measures filling one array (on
+# 0.31+, handing out the connector's array as it came).
 EXTRA_CONFIGS = ("slotroute-lazy", "slotroute-at-finish", "slotroute-per-layer", "slotroute-ahead",
                  "slotroute-whole-reads", "slotroute-joins")
 KNOWN_CONFIGS = CONFIGS + EXTRA_CONFIGS
