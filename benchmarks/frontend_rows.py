@@ -50,7 +50,7 @@ class VllmRows(list):
 
 
 WAYS = {"vllm": lambda room: VllmRows(), "slotroute": RequestRows}
-CONNECTOR_WAYS = {"vllm": lambda room: VllmRows(), "slotroute": lambda room: RequestRows(room, keep_first=True)}
+CONNECTOR_WAYS = {**WAYS, "slotroute": lambda room: RequestRows(room, keep_first=True)}
 FIGURES = ("prompts_ms", "appends_ms", "finishing_ms", "total_ms")  # what ``run`` times
 
 
@@ -60,10 +60,8 @@ def prompt_rows(tokens: int, seed: int) -> np.ndarray:
     return rows
 
 
-def run(way: str, workload: dict, connector: bool = False) -> dict:
+def run(way: str, workload: dict) -> dict:
     """One workload's turns: seconds of appends and of the finishing steps' joins."""
-    if connector:
-        return run_connector(way, workload)
     make, requests, steps = WAYS[way], workload["requests"], workload["steps"]
     prompts = appends = finishing = 0.0
     held = []
@@ -120,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds takes a count of 1 or more, got {args.rounds}")
+    timed = run_connector if args.connector else run
     rounds = []
     for r in range(args.rounds):
         order = list(WAYS) if r % 2 == 0 else list(WAYS)[::-1]
-        rounds.append({name: {way: run(way, workload, args.connector) for way in order}
-                       for name, workload in WORKLOADS.items()})
+        rounds.append({name: {way: timed(way, workload) for way in order} for name, workload in WORKLOADS.items()})
     arrays = "vLLM 0.31+'s arrays, one a request at finish" if args.connector else "vLLM 0.28-0.30's arrays"
     print(f"{args.rounds} rounds, the two ways interleaved, {arrays}; ms, median (min-max) over rounds")
     print("| workload | way | prompts' appends | appends over the decode steps | finishing steps' joins | all |")

@@ -100,14 +100,11 @@ class RequestRows:
             self._rows, self._owned = None, True
             return
         end = self._count + len(chunk)
-        if not self._owned:  # the first array as received: both copied into one (NOTE 2)
-            held = np.empty((end + self._room, *held.shape[1:]), dtype=held.dtype)
+        if not self._owned or end > len(held):  # the first array as received (NOTE 2), or full
+            size = max(end, 2 * len(held)) if self._owned else end + self._room
+            held = np.empty((size, *held.shape[1:]), dtype=held.dtype)
             held[:self._count] = self._rows[:self._count]
             self._rows, self._owned = held, True
-        elif end > len(held):
-            held = np.empty((max(end, 2 * len(held)), *held.shape[1:]), dtype=held.dtype)
-            held[:self._count] = self._rows[:self._count]
-            self._rows = held
         held[self._count:end] = chunk
         self._last, self._count = self._count, end
 
@@ -193,8 +190,9 @@ def _make_new_completion_output(original):
 
 
 def output_patches(keep_first: bool = False) -> list[Patch]:
-    """The front end's rows of each request in one array (vLLM 0.28-0.30), each array
-    copied in as it comes (NOTE 1)."""
+    """The front end's rows of each request in one array, each array copied in as it
+    comes (NOTE 1; vLLM 0.28-0.30), or with ``keep_first`` the first kept as it came
+    (NOTE 2; :func:`connector_output_patches`)."""
     import vllm.v1.engine.output_processor as output_processor
 
     patches = [
