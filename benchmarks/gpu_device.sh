@@ -19,6 +19,8 @@
 #   bash benchmarks/gpu_device.sh pytest [pytest arguments]     # any GPU tests, in this environment
 #   bash benchmarks/gpu_device.sh vllm WHEEL DIR       # another vLLM wheel into DIR (no dependencies:
 #                                                     # the kit's serve it); VLLM_SITE=DIR runs on it
+#   bash benchmarks/gpu_device.sh wheel PART DIR       # the same for a wheel cut by benchmarks/wheel_parts.sh,
+#                                                     # one part a call: the call with the last installs it
 #   bash benchmarks/gpu_device.sh cache save          # the compile caches (vLLM's, inductor's, Triton's) as
 #                                                     # $OUT/cache/c.tgz.NN, 15 MB each, when they fit what comes back
 #   bash benchmarks/gpu_device.sh cache restore DIR   # unpack them from DIR (carried) on a fresh machine, so a
@@ -47,7 +49,12 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
 # none of the call's output open, and stop_copying stops its sleep too.
 copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
 stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
-case ${1:?install, capture, capture-paths, tests, bench, offload, pytest, vllm or cache} in
+# install_vllm WHEEL DIR: a vLLM wheel into DIR, no dependencies (the kit's serve it)
+install_vllm() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" "$1" || exit
+  PYTHONPATH=$SR:/tmp/tsite:$2:/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)"
+}
+case ${1:?install, capture, capture-paths, tests, bench, offload, pytest, vllm, wheel or cache} in
 capture)
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   PYTHONPATH=src:/tmp/site python3 -m pytest -q -p no:cacheprovider tests/test_capture_gpu.py 2>&1 | tee $OUT/capture_gpu.log | tail -15
@@ -68,8 +75,19 @@ cache)
   fi
   ;;
 vllm)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "${3:?DIR}" "${2:?WHEEL}"
-  PYTHONPATH=$SR:/tmp/tsite:$3:/tmp/site python3 -c "import vllm; print('vllm', vllm.__version__, vllm.__file__)"
+  install_vllm "${2:?WHEEL}" "${3:?DIR}"
+  ;;
+wheel)
+  # one part of a wheel cut by benchmarks/wheel_parts.sh; the call that brings the last
+  # installs it (a part of another wheel, or bytes that differ, stop the call)
+  part=${2:?part folder}; dir=${3:?DIR}
+  IFS=$'\t' read -r name sha count < "$(dirname "$part")/s/wheel.tsv"
+  stage=/tmp/wheel_stage/$name; mkdir -p "$stage" && cp "$part"/w[0-9][0-9] "$stage"/
+  have=$(ls "$stage" | wc -l)
+  if [ "$have" -lt "$count" ]; then echo "wheel $name: $have of $count parts staged"; exit 0; fi
+  cat "$stage"/w[0-9][0-9] > "/tmp/$name"
+  echo "$sha  /tmp/$name" | sha256sum -c --quiet || { echo "wheel $name: its bytes differ from its sha256"; exit 1; }
+  install_vllm "/tmp/$name" "$dir"
   ;;
 install)
   rm -rf $SR && mkdir -p $SR/slotroute-0.1.0.dist-info && cp -r src/slotroute $SR/
