@@ -23,6 +23,7 @@
 #                                                     # one part a call: the call with the last installs it
 #   bash benchmarks/gpu_device.sh cache save          # the compile caches (vLLM's, inductor's, Triton's) as
 #                                                     # $OUT/cache/c.tgz.NN, 15 MB each, when they fit what comes back
+#                                                     # (`bench` saves them so at the end of each call; SAVE_CACHES=0 not)
 #   bash benchmarks/gpu_device.sh cache restore DIR   # unpack them from DIR (carried) on a fresh machine, so a
 #                                                     # `bench` continued there starts its children with warm caches
 #
@@ -49,6 +50,16 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
 # none of the call's output open, and stop_copying stops its sleep too.
 copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
 stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
+# save_caches: the compile caches (vLLM's, inductor's, Triton's) as $OUT/cache/c.tgz.NN,
+# 15 MB each, where they fit what a call brings back
+save_caches() {
+  local dirs size
+  dirs=$(cd / && ls -d root/.cache/vllm tmp/torchinductor_root root/.triton/cache 2>/dev/null)
+  [ -n "$dirs" ] || { echo "compile caches: none"; return; }
+  rm -rf "$OUT/cache" && mkdir -p "$OUT/cache" && tar -C / -czf /tmp/c.tgz $dirs
+  size=$(stat -c %s /tmp/c.tgz); echo "compile caches: $size bytes"
+  if [ "$size" -le 60000000 ]; then split -b 15000000 -d /tmp/c.tgz "$OUT/cache/c.tgz."; else echo "too large to come back"; fi
+}
 # install_vllm WHEEL DIR: a vLLM wheel into DIR, no dependencies (the kit's serve it)
 install_vllm() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$2" "$1" || exit
@@ -65,11 +76,8 @@ capture-paths)
   PYTHONPATH=src:/tmp/site python3 benchmarks/gpu_capture_paths.py --out $OUT/gpu_capture_paths.json 2>&1 | tee $OUT/gpu_capture_paths.log | tail -12
   ;;
 cache)
-  dirs="root/.cache/vllm tmp/torchinductor_root root/.triton/cache"
   if [ "${2:?save or restore}" = save ]; then
-    mkdir -p "$OUT/cache" && tar -C / -czf /tmp/c.tgz $(cd / && ls -d $dirs 2>/dev/null)
-    size=$(stat -c %s /tmp/c.tgz); echo "compile caches: $size bytes"
-    if [ "$size" -le 60000000 ]; then split -b 15000000 -d /tmp/c.tgz "$OUT/cache/c.tgz."; else echo "too large to come back"; fi
+    save_caches
   else
     cat "${3:?DIR}"/c.tgz.* | tar -C / -xzf - && echo "compile caches restored from $3"
   fi
@@ -122,6 +130,7 @@ bench)
     2>&1 | tee -a /tmp/gpu_engine_$runner.log | grep -v -E "^\s*$" | tail -60
   stop_copying
   cp /tmp/gpu_engine_$runner.json /tmp/gpu_engine_$runner.log "$OUT"/ 2>/dev/null
+  [ "${SAVE_CACHES:-1}" = 0 ] || save_caches
   ;;
 pytest)
   shift
