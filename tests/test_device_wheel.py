@@ -6,6 +6,7 @@ nothing."""
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import uuid
@@ -22,7 +23,7 @@ STAGE = Path("/tmp/wheel_stage")
 @pytest.fixture
 def wheel(tmp_path):
     """A small ``vllm`` wheel cut into three parts as wheel_parts.sh lays them out:
-    (its name, the parts' folders, the wheel's bytes)."""
+    (its name, the parts' folders, its version)."""
     version = f"9.9.9+t{uuid.uuid4().hex[:8]}"
     name = f"vllm-{version}-py3-none-any.whl"
     info = f"vllm-{version}.dist-info"
@@ -45,7 +46,8 @@ def wheel(tmp_path):
     digest = hashlib.sha256(data).hexdigest()
     (folder / "s" / "wheel.tsv").write_text(f"{name}\t{digest}\t3\n")
     yield name, parts, version
-    subprocess.run(["rm", "-rf", str(STAGE / name), f"/tmp/{name}"], check=False)
+    shutil.rmtree(STAGE / name, ignore_errors=True)
+    Path(f"/tmp/{name}").unlink(missing_ok=True)
 
 
 def device(*args, out):
