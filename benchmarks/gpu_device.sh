@@ -51,14 +51,19 @@ export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
 copy_periodically() { ( while sleep "${COPY_EVERY_S:-15}"; do cp "$1" "$OUT"/; done ) >/dev/null 2>&1 & copier=$!; }
 stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
 # save_caches: the compile caches (vLLM's, inductor's, Triton's) as $OUT/cache/c.tgz.NN,
-# 15 MB each, where they fit what a call brings back
+# 15 MB each, where they fit what a call brings back. The archive is cut off once it passes
+# that size, so caches far larger (a machine's gigabytes of inductor output) cost a few
+# seconds, not a minutes-long archive thrown away. CACHE_ROOT (/) is where their paths start.
 save_caches() {
-  local dirs size
-  dirs=$(cd / && ls -d root/.cache/vllm tmp/torchinductor_root root/.triton/cache 2>/dev/null)
+  local root=${CACHE_ROOT:-/} limit=60000000 dirs size
+  dirs=$(cd "$root" && ls -d root/.cache/vllm tmp/torchinductor_root root/.triton/cache 2>/dev/null)
   [ -n "$dirs" ] || { echo "compile caches: none"; return; }
-  rm -rf "$OUT/cache" && mkdir -p "$OUT/cache" && tar -C / -czf /tmp/c.tgz $dirs
-  size=$(stat -c %s /tmp/c.tgz); echo "compile caches: $size bytes"
-  if [ "$size" -le 60000000 ]; then split -b 15000000 -d /tmp/c.tgz "$OUT/cache/c.tgz."; else echo "too large to come back"; fi
+  rm -rf "$OUT/cache" /tmp/c.tgz
+  tar -C "$root" -czf - $dirs 2>/dev/null | head -c $((limit + 1)) > /tmp/c.tgz
+  size=$(stat -c %s /tmp/c.tgz)
+  if [ "$size" -gt "$limit" ]; then echo "compile caches: over $limit bytes, too large to come back"; rm -f /tmp/c.tgz; return; fi
+  echo "compile caches: $size bytes"
+  mkdir -p "$OUT/cache" && split -b 15000000 -d /tmp/c.tgz "$OUT/cache/c.tgz." && rm -f /tmp/c.tgz
 }
 # install_vllm WHEEL DIR: a vLLM wheel into DIR, no dependencies (the kit's serve it)
 install_vllm() {
@@ -79,7 +84,7 @@ cache)
   if [ "${2:?save or restore}" = save ]; then
     save_caches
   else
-    cat "${3:?DIR}"/c.tgz.* | tar -C / -xzf - && echo "compile caches restored from $3"
+    cat "${3:?DIR}"/c.tgz.* | tar -C "${CACHE_ROOT:-/}" -xzf - && echo "compile caches restored from $3"
   fi
   ;;
 vllm)
