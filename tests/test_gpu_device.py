@@ -1,11 +1,15 @@
-"""``benchmarks/gpu_device.sh wheel``: a wheel that reaches the device machine in parts,
-one a call (``benchmarks/wheel_parts.sh``), is installed by the call that brings its last
-part and only if its bytes are the ones cut here; a part short stages and installs
-nothing."""
+"""``benchmarks/gpu_device.sh``'s transfers to and from the device machine.
+
+``wheel``: a wheel that reaches the device machine in parts, one a call
+(``benchmarks/wheel_parts.sh``), is installed by the call that brings its last part and
+only if its bytes are the ones cut here; a part short stages and installs nothing.
+``cache``: the compile caches come back in parts and unpack on a fresh machine, and
+caches larger than a call brings back are cut off, leaving no parts."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -50,10 +54,10 @@ def wheel(tmp_path):
     Path(f"/tmp/{name}").unlink(missing_ok=True)
 
 
-def device(*args, out):
+def device(*args, out, **env):
     return subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True,
                           env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-                               "OUT": str(out)}, timeout=120)
+                               "OUT": str(out), **env}, timeout=120)
 
 
 def test_the_call_with_the_last_part_installs_the_wheel(wheel, tmp_path):
@@ -80,3 +84,36 @@ def test_a_part_that_differs_installs_nothing(wheel, tmp_path):
     assert done.returncode == 1
     assert f"wheel {name}: its bytes differ from its sha256" in done.stdout
     assert not site.exists()
+
+
+def test_compile_caches_come_back_in_parts_and_unpack_on_another_machine(tmp_path):
+    machine = tmp_path / "machine"
+    kernel = machine / "tmp" / "torchinductor_root" / "ab" / "kernel.py"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_text("def kernel(): pass\n" * 1000)
+    (machine / "root" / ".cache" / "vllm").mkdir(parents=True)
+    (machine / "root" / ".cache" / "vllm" / "graph.bin").write_bytes(bytes(range(256)) * 64)
+    saved = device("cache", "save", out=tmp_path / "out", CACHE_ROOT=str(machine))
+    parts = sorted((tmp_path / "out" / "cache").glob("c.tgz.*"))
+    assert saved.returncode == 0 and parts and "bytes" in saved.stdout, saved.stdout + saved.stderr
+
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    restored = device("cache", "restore", tmp_path / "out" / "cache", out=tmp_path / "out", CACHE_ROOT=str(fresh))
+    assert restored.returncode == 0, restored.stderr
+    assert (fresh / "tmp" / "torchinductor_root" / "ab" / "kernel.py").read_text() == kernel.read_text()
+    assert (fresh / "root" / ".cache" / "vllm" / "graph.bin").read_bytes() == bytes(range(256)) * 64
+
+
+def test_compile_caches_larger_than_what_comes_back_are_cut_off_and_leave_no_parts(tmp_path):
+    machine = tmp_path / "machine"
+    cache = machine / "root" / ".triton" / "cache"
+    cache.mkdir(parents=True)
+    for i in range(4):  # 80 MB that gzip cannot shrink: over the 60 MB a call brings back
+        (cache / f"blob{i}").write_bytes(os.urandom(20_000_000))
+    saved = device("cache", "save", out=tmp_path / "out", CACHE_ROOT=str(machine))
+    assert saved.returncode == 0 and "too large to come back" in saved.stdout, saved.stdout + saved.stderr
+    assert not (tmp_path / "out" / "cache").exists()
+    (tmp_path / "empty_machine").mkdir()
+    empty = device("cache", "save", out=tmp_path / "out", CACHE_ROOT=str(tmp_path / "empty_machine"))
+    assert empty.stdout.strip() == "compile caches: none"
