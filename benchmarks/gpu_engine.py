@@ -408,13 +408,20 @@ def child(args) -> None:
     call_output_faults: list[list[int]] = []  # per generate call, each process_outputs call's page faults
     call_finished: list[list[int]] = []  # per generate call, each process_outputs call's requests finished
     # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
-    engine_runs: list[float] = []
+    # with the thread's minor page faults and the garbage collector's seconds then
+    engine_runs: list[tuple[float, int, float]] = []
     call_added_s: list[float | None] = []  # per generate call, the seconds it took to add its requests
+    call_added_faults: list[int | None] = []  # and the page faults taken meanwhile
+    call_added_gc_s: list[float | None] = []  # and the garbage collector's seconds meanwhile
+
+    def faults_now() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if hasattr(resource, "RUSAGE_THREAD") else 0
+
     if hasattr(llm, "_run_engine"):
         run_engine = llm._run_engine
 
         def started_engine(*args, **kwargs):
-            engine_runs.append(time.perf_counter())
+            engine_runs.append((time.perf_counter(), faults_now(), sum(timer.gc_seconds.values())))
             return run_engine(*args, **kwargs)
 
         llm._run_engine = started_engine
@@ -432,6 +439,7 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
+        called_faults, called_gc_s = faults_now(), sum(timer.gc_seconds.values())
         called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
         first_run = len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
@@ -447,7 +455,10 @@ def child(args) -> None:
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
-        call_added_s.append(engine_runs[first_run] - called if len(engine_runs) > first_run else None)
+        ran = engine_runs[first_run] if len(engine_runs) > first_run else None
+        call_added_s.append(None if ran is None else ran[0] - called)
+        call_added_faults.append(None if ran is None else ran[1] - called_faults)
+        call_added_gc_s.append(None if ran is None else ran[2] - called_gc_s)
         for output, start in zip(outputs, starts or [0] * len(prompts)):
             routed = output.outputs[0].routed_experts
             expected = len(output.prompt_token_ids) + n - 1 - start
@@ -474,7 +485,8 @@ def child(args) -> None:
         call_requests.clear()
         for calls in (*call_host_us.values(), call_output_faults, call_finished):
             calls.clear()
-        call_added_s.clear()
+        for added in (call_added_s, call_added_faults, call_added_gc_s):
+            added.clear()
         pool.update(added=0, added_bytes=0)
         made, served = reads_ahead()
         began = time.perf_counter()
@@ -520,6 +532,11 @@ def child(args) -> None:
             # the part of the turn starts spent adding the requests, before the engine's first step
             turn_add_ms=None if None in call_added_s else 1e3 * sum(
                 added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
+            # and, in those, the minor page faults and the garbage collector's time
+            turn_add_faults=None if None in call_added_faults else sum(
+                added for added, (_, ends, _, _) in zip(call_added_faults, generate_calls) if ends),
+            turn_add_gc_ms=None if None in call_added_gc_s else 1e3 * sum(
+                added for added, (_, ends, _, _) in zip(call_added_gc_s, generate_calls) if ends),
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
             # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD=0)
             reads_made_ahead=made_after - made, reads_served_ahead=served_after - served,
@@ -984,8 +1001,11 @@ PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds"
              ("prompt steps' update_from_output", "kinds", "prompt_update_ms"),
              ("decode-only steps' intervals", "kinds", "decode_ms"), ("turn starts", "result", "turn_start_ms"),
              ("of them, adding the requests", "result", "turn_add_ms"),
+             ("adding's page faults", "result", "turn_add_faults"),
+             ("adding's garbage collection", "result", "turn_add_gc_ms"),
              ("finishing steps' process_outputs", "result", "finishing_output_ms"),
              ("their page faults", "result", "finishing_faults"))
+DECIMALS = {"wall_s": 2, "turn_add_gc_ms": 1}  # a column's decimals where not 0
 
 
 def _per_round(rounds: list[int], runs: list[dict], kinds: list[dict | None]) -> dict:
@@ -1161,7 +1181,7 @@ def report(summary: dict, header: str) -> str:
                   "|---" * (3 + len(PER_ROUND)) + "|"]
         for workload, config, figures in per_round:
             cells = ["-" if figures[key] is None else ", ".join(
-                f"{v:.2f}" if key == "wall_s" else f"{v:.0f}" for v in figures[key]) for _, _, key in PER_ROUND]
+                f"{v:.{DECIMALS.get(key, 0)}f}" for v in figures[key]) for _, _, key in PER_ROUND]
             lines.append(f"| {workload} | {config} | {', '.join(map(str, figures['round']))} | "
                          + " | ".join(cells) + " |")
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "

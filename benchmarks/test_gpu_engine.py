@@ -771,12 +771,16 @@ def test_the_report_gives_each_configurations_figures_round_by_round_in_round_or
     # no child recorded its steps: those columns are left out, not made up
     assert figures["prompt_ms"] is None and figures["decode_ms"] is None
     report = gpu_engine.report(summary, "h")
-    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 | - | - |" in report
+    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 | - | - | - | - |" in report
     # a child without the adding figure: that column is "-" for its configuration
     children[0]["results"]["rollout"]["turn_add_ms"] = None
-    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - | - | - |" in gpu_engine.report(
+    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - | - | - | - | - |" in gpu_engine.report(
         gpu_engine.summarize(children), "h")
-    # the finishing steps' front end, where every round has it
+    # the adding's page faults and garbage collection (one decimal), and the finishing
+    # steps' front end, where every round has them
+    for c, faults, gc_ms in zip(children, (40, 1200, 700, 41), (1.0, 3.25, 1.04, 0.9)):
+        c["results"]["rollout"].update(turn_add_faults=faults, turn_add_gc_ms=gc_ms)
     for c, ms, faults in zip(children, (2.0, 72.4, 66.0, 1.6), (3, 9100, 8400, 2)):
         c["results"]["rollout"].update(finishing_output_ms=ms, finishing_faults=faults)
-    assert "| 145, 106 | 98, 63 | 72, 66 | 9100, 8400 |" in gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "| 145, 106 | 98, 63 | 1200, 700 | 3.2, 1.0 | 72, 66 | 9100, 8400 |" in gpu_engine.report(
+        gpu_engine.summarize(children), "h")
