@@ -137,6 +137,11 @@ def write_config(path: Path, layers: int) -> Path:
     return path
 
 
+# The adding of a request (vLLM's ``LLMEngine.add_request``): the LLMEngine attribute
+# and its method called once per request.
+ADDING = (("input_processor", "process_inputs"), ("output_processor", "add_request"), ("engine_core", "add_request"))
+
+
 class Timer:
     """Host seconds and calls of wrapped methods, by label (``worker``, ``scheduler``,
     ...) and by ``label:method`` (the breakdown; a ``detail`` label times calls nested
@@ -199,6 +204,16 @@ class Timer:
         for kept in (self.seconds, self.calls, self.samples, self.faults, self.fault_samples, self.gc_seconds,
                      self.gc_runs):
             kept.clear()
+
+
+def time_adding(timer: Timer, engine) -> None:
+    """Time the adding of the requests in its three parts (``ADDING``), once per
+    request in every configuration alike (about a microsecond a call, 256 calls a
+    multi-turn pass): the input processor's request, the front end's request state, and
+    the engine core's request and scheduler entry (in this process: no
+    multiprocessing). Each part's seconds are ``timer.seconds["adding_" + attribute]``."""
+    for owner, method in ADDING:
+        timer.wrap(getattr(engine, owner), method, f"adding_{owner}")
 
 
 def is_connector_generation() -> bool:
@@ -384,6 +399,7 @@ def child(args) -> None:
     scheduled: list[int] = []  # each schedule's tokens, in order (the steps that carry prefill are long)
     timer.wrap(scheduler, "schedule", "schedule",
                on_call=lambda args, result: scheduled.append(result.total_num_scheduled_tokens))
+    time_adding(timer, llm.llm_engine)
     config = llm.llm_engine.vllm_config
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
     gen, turn_gen = args.gen_len, max(args.gen_len // 2, 1)
@@ -537,6 +553,8 @@ def child(args) -> None:
                 added for added, (_, ends, _, _) in zip(call_added_faults, generate_calls) if ends),
             turn_add_gc_ms=None if None in call_added_gc_s else 1e3 * sum(
                 added for added, (_, ends, _, _) in zip(call_added_gc_s, generate_calls) if ends),
+            # and its parts (time_adding), over the pass
+            **{f"add_{owner}_ms": 1e3 * timer.seconds.get(f"adding_{owner}", 0.0) for owner, _ in ADDING},
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
             # those reads served (SchedulerRouting's NOTE 2; 0 with SLOTROUTE_READ_AHEAD=0)
             reads_made_ahead=made_after - made, reads_served_ahead=served_after - served,
@@ -1003,6 +1021,9 @@ PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds"
              ("of them, adding the requests", "result", "turn_add_ms"),
              ("adding's page faults", "result", "turn_add_faults"),
              ("adding's garbage collection", "result", "turn_add_gc_ms"),
+             ("adding: input processor", "result", "add_input_processor_ms"),
+             ("adding: request state", "result", "add_output_processor_ms"),
+             ("adding: engine core", "result", "add_engine_core_ms"),
              ("finishing steps' process_outputs", "result", "finishing_output_ms"),
              ("their page faults", "result", "finishing_faults"))
 DECIMALS = {"wall_s": 2, "turn_add_gc_ms": 1}  # a column's decimals where not 0

@@ -771,16 +771,48 @@ def test_the_report_gives_each_configurations_figures_round_by_round_in_round_or
     # no child recorded its steps: those columns are left out, not made up
     assert figures["prompt_ms"] is None and figures["decode_ms"] is None
     report = gpu_engine.report(summary, "h")
-    assert "| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63 | - | - | - | - |" in report
+    unset = " | -" * 5  # the adding's faults, collection and parts, the finishing steps
+    assert f"| rollout | slotroute | 1, 2 | 10.85, 10.79 | - | - | - | 145, 106 | 98, 63{unset} | - | - |" in report
     # a child without the adding figure: that column is "-" for its configuration
     children[0]["results"]["rollout"]["turn_add_ms"] = None
-    assert "| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | - | - | - | - | - |" in gpu_engine.report(
+    assert f"| rollout | off | 1, 2 | 10.75, 10.77 | - | - | - | 109, 107 | -{unset} | - | - |" in gpu_engine.report(
         gpu_engine.summarize(children), "h")
-    # the adding's page faults and garbage collection (one decimal), and the finishing
-    # steps' front end, where every round has them
+    # the adding's page faults, garbage collection (one decimal) and parts, and the
+    # finishing steps' front end, where every round has them
     for c, faults, gc_ms in zip(children, (40, 1200, 700, 41), (1.0, 3.25, 1.04, 0.9)):
-        c["results"]["rollout"].update(turn_add_faults=faults, turn_add_gc_ms=gc_ms)
+        c["results"]["rollout"].update(turn_add_faults=faults, turn_add_gc_ms=gc_ms, add_input_processor_ms=20 + gc_ms,
+                                       add_output_processor_ms=3 * gc_ms, add_engine_core_ms=70 - gc_ms)
     for c, ms, faults in zip(children, (2.0, 72.4, 66.0, 1.6), (3, 9100, 8400, 2)):
         c["results"]["rollout"].update(finishing_output_ms=ms, finishing_faults=faults)
-    assert "| 145, 106 | 98, 63 | 1200, 700 | 3.2, 1.0 | 72, 66 | 9100, 8400 |" in gpu_engine.report(
+    assert "| 145, 106 | 98, 63 | 1200, 700 | 3.2, 1.0 | 23, 21 | 10, 3 | 67, 69 | 72, 66 | 9100, 8400 |" in gpu_engine.report(
         gpu_engine.summarize(children), "h")
+
+
+def test_the_adding_of_a_request_is_timed_in_its_three_parts_each_call_once():
+    calls = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def process_inputs(self, request_id):
+            calls.append((self.name, request_id))
+            return f"request {request_id}"
+
+        def add_request(self, request):
+            calls.append((self.name, request))
+
+    engine = SimpleNamespace(input_processor=Part("inputs"), output_processor=Part("state"),
+                                   engine_core=Part("core"))
+    timer = gpu_engine.Timer()
+    gpu_engine.time_adding(timer, engine)
+    for request_id in ("a", "b"):  # as vLLM's LLMEngine.add_request calls them
+        request = engine.input_processor.process_inputs(request_id)
+        engine.output_processor.add_request(request)
+        engine.engine_core.add_request(request)
+    assert calls == [("inputs", "a"), ("state", "request a"), ("core", "request a"),
+                     ("inputs", "b"), ("state", "request b"), ("core", "request b")]
+    assert {label: timer.calls[label] for label in ("adding_input_processor", "adding_output_processor",
+                                                    "adding_engine_core")} == dict.fromkeys(
+        ("adding_input_processor", "adding_output_processor", "adding_engine_core"), 2)
+    assert all(timer.seconds[f"adding_{owner}"] > 0 for owner, _ in gpu_engine.ADDING)
