@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import connector_generation, probe, prompt_tokens
 
-from slotroute.vllm import SWITCHES, capture_copy_once, unsupported_reason
+from slotroute.vllm import SWITCHES, capture_copy_once, switch, unsupported_reason
 
 pytestmark = pytest.mark.vllm
 # vLLM 0.31+ return routing through the aux-output connector slotroute replaces.
@@ -44,6 +44,19 @@ def test_one_capture_copy_a_step_is_the_default_on_cuda_only_and_the_variable_ov
 def test_a_capture_copy_setting_other_than_0_or_1_is_refused_naming_the_variable(setting):
     with pytest.raises(ValueError, match="SLOTROUTE_CAPTURE_COPY_ONCE must be 0, 1 or unset"):
         capture_copy_once("cuda", setting)
+
+
+@pytest.mark.parametrize(("setting", "value"), [(None, ""), ("", ""), (" 1 ", "1"), ("0", "0")])
+def test_an_on_off_variable_is_read_from_this_processs_environment(monkeypatch, setting, value):
+    for name in SWITCHES:
+        if setting is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, setting)
+        assert switch(name) == value
+    monkeypatch.setenv(SWITCHES[0], "on")
+    with pytest.raises(ValueError, match=f"{SWITCHES[0]} must be 0, 1 or unset, got 'on'"):
+        switch(SWITCHES[0])
 
 
 def test_unsupported_vllm_is_left_unpatched_with_one_log_line():

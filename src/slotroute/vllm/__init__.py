@@ -45,8 +45,7 @@ import re
 
 __all__ = ["ADAPTERS", "COPY_ONCE_ENV", "DISABLE_ENV", "JOIN_AT_FINISH_ENV", "LAZY_STORE_ENV", "LOGGER_NAME",
            "MODES", "MODE_ENV", "READ_AHEAD_ENV", "READ_AT_FINISH_ENV", "SWITCHES", "capture_copy_once", "register",
-           "switch_setting",
-           "unsupported_reason"]
+           "switch", "switch_setting", "unsupported_reason"]
 
 # A child of vLLM's logger, so slotroute's lines appear in vLLM's log, formatted alike.
 LOGGER_NAME = "vllm.slotroute"
@@ -146,6 +145,12 @@ def switch_setting(name: str, setting: str | None) -> str:
     return value
 
 
+def switch(name: str) -> str:
+    """The on/off variable ``name``'s value in this process's environment
+    (:func:`switch_setting`)."""
+    return switch_setting(name, os.environ.get(name))
+
+
 def capture_copy_once(device_type: str, setting: str | None) -> bool:
     """Whether the worker's capturer writes a step's rows with one copy after the last
     MoE layer (``copy_once``), from ``SLOTROUTE_CAPTURE_COPY_ONCE``'s value (``None``
@@ -193,7 +198,7 @@ def register() -> str:
     mode = os.environ.get(MODE_ENV, "").strip() or MODES[0]
     if mode not in MODES:
         raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    switches = {name: switch_setting(name, os.environ.get(name)) for name in SWITCHES}
+    switches = {name: switch(name) for name in SWITCHES}
     join_at_finish = switches[JOIN_AT_FINISH_ENV] == "1"
     import vllm
 

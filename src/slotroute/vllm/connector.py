@@ -22,12 +22,10 @@ want of routing.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from slotroute.spec import MissingRoutingError
-from slotroute.vllm import READ_AT_FINISH_ENV, switch_setting
+from slotroute.vllm import READ_AT_FINISH_ENV, switch
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.offload import follow_kv
 from slotroute.vllm.patches import Patch
@@ -145,7 +143,7 @@ class ConnectorRouting:
         self._ahead_held = 0  # bytes of the rows read ahead, over all of ``_ahead``
         self._ahead_budget = READ_AHEAD_STEP_BYTES  # bytes left to read ahead in this step
         self._row_bytes = core.store.routed_experts_by_slot[0].nbytes
-        self._reads_ahead = switch_setting(READ_AT_FINISH_ENV, os.environ.get(READ_AT_FINISH_ENV)) != "1"
+        self._reads_ahead = switch(READ_AT_FINISH_ENV) != "1"
         # What serves the hits of the scheduler's KV transfer connector, if it has one
         # (slotroute/vllm/offload.py).
         self.external_hits = None

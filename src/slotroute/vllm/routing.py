@@ -14,7 +14,6 @@ prefix-cache hits.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -23,7 +22,7 @@ import numpy as np
 
 from slotroute.spec import MissingRoutingError, RoutingSpec
 from slotroute.store import RoutedExpertsManager
-from slotroute.vllm import LAZY_STORE_ENV, LOGGER_NAME, switch_setting
+from slotroute.vllm import LAZY_STORE_ENV, LOGGER_NAME, switch
 from slotroute.vllm.blocks import watch
 
 __all__ = ["SlotRouting", "attention_gid", "routing_spec"]
@@ -130,7 +129,7 @@ class SlotRouting:
             routing_spec(vllm_config), num_blocks=kv_cache_config.num_blocks, block_size=block_size
         )
         routing = cls(store, attn_gid)
-        if switch_setting(LAZY_STORE_ENV, os.environ.get(LAZY_STORE_ENV)) == "1":
+        if switch(LAZY_STORE_ENV) == "1":
             logger.info("slotroute: scheduler keeps routing in %r, paged in as steps write it (%s=1)",
                         store, LAZY_STORE_ENV)
             return routing

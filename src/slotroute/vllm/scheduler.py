@@ -12,12 +12,10 @@ read finishes with an error.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from slotroute.spec import MissingRoutingError
-from slotroute.vllm import READ_AHEAD_ENV, switch_setting
+from slotroute.vllm import READ_AHEAD_ENV, switch
 from slotroute.vllm.blocks import BLOCK_POOL_PATCHES
 from slotroute.vllm.patches import Patch
 from slotroute.vllm.routing import SlotRouting
@@ -71,7 +69,7 @@ class SchedulerRouting:
         # Read by vLLM's scheduler: the KV cache group whose blocks it reads rows over.
         self.attn_gid = core.attn_gid
         if reads_ahead is None:
-            reads_ahead = switch_setting(READ_AHEAD_ENV, os.environ.get(READ_AHEAD_ENV)) != "0"
+            reads_ahead = switch(READ_AHEAD_ENV) != "0"
         self.reads_ahead = reads_ahead
         # The output of the step scheduled last, while it may have prompts to read ahead.
         self._scheduled = None
