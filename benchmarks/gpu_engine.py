@@ -81,6 +81,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import operator
 import os
 import resource
 import socket
@@ -142,6 +143,12 @@ def write_config(path: Path, layers: int) -> Path:
 ADDING = (("input_processor", "process_inputs"), ("output_processor", "add_request"), ("engine_core", "add_request"))
 
 
+def thread_faults() -> int:
+    """The calling thread's minor page faults so far (0 where the system does not count
+    them by thread)."""
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if hasattr(resource, "RUSAGE_THREAD") else 0
+
+
 class Timer:
     """Host seconds and calls of wrapped methods, by label (``worker``, ``scheduler``,
     ...) and by ``label:method`` (the breakdown; a ``detail`` label times calls nested
@@ -190,9 +197,9 @@ class Timer:
             return result
 
         def counted(*args, **kwargs):
-            before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+            before = thread_faults()
             result = timed(*args, **kwargs)
-            took = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+            took = thread_faults() - before
             faults[keys[1]] = faults.get(keys[1], 0) + took
             fault_samples.setdefault(keys[1], []).append(took)
             return result
@@ -423,21 +430,21 @@ def child(args) -> None:
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
     call_output_faults: list[list[int]] = []  # per generate call, each process_outputs call's page faults
     call_finished: list[list[int]] = []  # per generate call, each process_outputs call's requests finished
-    # when each generate call started running the engine, its requests added (vLLM's LLM._run_engine)
-    # with the thread's minor page faults and the garbage collector's seconds then
+
+    def marks() -> tuple[float, int, float]:
+        """The time, the thread's minor page faults and the garbage collector's seconds so far."""
+        return time.perf_counter(), thread_faults(), sum(timer.gc_seconds.values())
+
+    # the marks when each generate call started running the engine, its requests added
+    # (vLLM's LLM._run_engine)
     engine_runs: list[tuple[float, int, float]] = []
-    call_added_s: list[float | None] = []  # per generate call, the seconds it took to add its requests
-    call_added_faults: list[int | None] = []  # and the page faults taken meanwhile
-    call_added_gc_s: list[float | None] = []  # and the garbage collector's seconds meanwhile
-
-    def faults_now() -> int:
-        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt if hasattr(resource, "RUSAGE_THREAD") else 0
-
+    # per generate call, what adding its requests took: seconds, page faults, collector's seconds
+    call_added: list[tuple[float, int, float] | None] = []
     if hasattr(llm, "_run_engine"):
         run_engine = llm._run_engine
 
         def started_engine(*args, **kwargs):
-            engine_runs.append((time.perf_counter(), faults_now(), sum(timer.gc_seconds.values())))
+            engine_runs.append(marks())
             return run_engine(*args, **kwargs)
 
         llm._run_engine = started_engine
@@ -455,8 +462,8 @@ def child(args) -> None:
             )
             for start in (starts or [0] * len(prompts))
         ]
-        called_faults, called_gc_s = faults_now(), sum(timer.gc_seconds.values())
-        called, first, first_schedule = time.perf_counter(), len(step_ends), len(scheduled)
+        called_marks = marks()
+        called, first, first_schedule = called_marks[0], len(step_ends), len(scheduled)
         first_run = len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
         first_faults, first_finished = len(timer.fault_samples.get(host_series["output"], ())), len(finished)
@@ -471,10 +478,8 @@ def child(args) -> None:
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
-        ran = engine_runs[first_run] if len(engine_runs) > first_run else None
-        call_added_s.append(None if ran is None else ran[0] - called)
-        call_added_faults.append(None if ran is None else ran[1] - called_faults)
-        call_added_gc_s.append(None if ran is None else ran[2] - called_gc_s)
+        call_added.append(tuple(map(operator.sub, engine_runs[first_run], called_marks))
+                          if len(engine_runs) > first_run else None)
         for output, start in zip(outputs, starts or [0] * len(prompts)):
             routed = output.outputs[0].routed_experts
             expected = len(output.prompt_token_ids) + n - 1 - start
@@ -501,8 +506,7 @@ def child(args) -> None:
         call_requests.clear()
         for calls in (*call_host_us.values(), call_output_faults, call_finished):
             calls.clear()
-        for added in (call_added_s, call_added_faults, call_added_gc_s):
-            added.clear()
+        call_added.clear()
         pool.update(added=0, added_bytes=0)
         made, served = reads_ahead()
         began = time.perf_counter()
@@ -524,6 +528,9 @@ def child(args) -> None:
         wall = time.perf_counter() - began
         made_after, served_after = reads_ahead()
         steps = max(timer.calls.get("steps", 0), 1)
+        # the adding of the requests over the generate calls that ran steps (the turn starts)
+        turn_starts = [added for added, (_, ends, _, _) in zip(call_added, generate_calls) if ends]
+        adding = None if None in call_added else [sum(parts) for parts in zip((0.0, 0, 0.0), *turn_starts)]
         return dict(
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
             bytes_per_step=sum(shipped) / steps,
@@ -545,14 +552,11 @@ def child(args) -> None:
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
             **finishing(call_host_us["output"], call_output_faults, call_finished),
-            # the part of the turn starts spent adding the requests, before the engine's first step
-            turn_add_ms=None if None in call_added_s else 1e3 * sum(
-                added for added, (_, ends, _, _) in zip(call_added_s, generate_calls) if ends),
-            # and, in those, the minor page faults and the garbage collector's time
-            turn_add_faults=None if None in call_added_faults else sum(
-                added for added, (_, ends, _, _) in zip(call_added_faults, generate_calls) if ends),
-            turn_add_gc_ms=None if None in call_added_gc_s else 1e3 * sum(
-                added for added, (_, ends, _, _) in zip(call_added_gc_s, generate_calls) if ends),
+            # the part of the turn starts spent adding the requests, before the engine's first
+            # step, and the minor page faults and the garbage collector's time in it
+            turn_add_ms=None if adding is None else 1e3 * adding[0],
+            turn_add_faults=None if adding is None else adding[1],
+            turn_add_gc_ms=None if adding is None else 1e3 * adding[2],
             # and its parts (time_adding), over the pass
             **{f"add_{owner}_ms": 1e3 * timer.seconds.get(f"adding_{owner}", 0.0) for owner, _ in ADDING},
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and

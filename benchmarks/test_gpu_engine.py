@@ -802,8 +802,7 @@ def test_the_adding_of_a_request_is_timed_in_its_three_parts_each_call_once():
         def add_request(self, request):
             calls.append((self.name, request))
 
-    engine = SimpleNamespace(input_processor=Part("inputs"), output_processor=Part("state"),
-                                   engine_core=Part("core"))
+    engine = SimpleNamespace(input_processor=Part("inputs"), output_processor=Part("state"), engine_core=Part("core"))
     timer = gpu_engine.Timer()
     gpu_engine.time_adding(timer, engine)
     for request_id in ("a", "b"):  # as vLLM's LLMEngine.add_request calls them
@@ -812,7 +811,6 @@ def test_the_adding_of_a_request_is_timed_in_its_three_parts_each_call_once():
         engine.engine_core.add_request(request)
     assert calls == [("inputs", "a"), ("state", "request a"), ("core", "request a"),
                      ("inputs", "b"), ("state", "request b"), ("core", "request b")]
-    assert {label: timer.calls[label] for label in ("adding_input_processor", "adding_output_processor",
-                                                    "adding_engine_core")} == dict.fromkeys(
-        ("adding_input_processor", "adding_output_processor", "adding_engine_core"), 2)
-    assert all(timer.seconds[f"adding_{owner}"] > 0 for owner, _ in gpu_engine.ADDING)
+    labels = ("adding_input_processor", "adding_output_processor", "adding_engine_core")
+    assert {label: timer.calls[label] for label in labels} == dict.fromkeys(labels, 2)
+    assert all(timer.seconds[label] > 0 for label in labels)
