@@ -20,9 +20,10 @@ Each configuration runs in its own process (vLLM caches its environment per
 process). A first child of each configuration, discarded, fills its compile caches
 (``--warm-up compile``: it only starts the engine and serves a few requests, sparing
 the workloads' time, with no per-call breakdown; ``--warm-up profile``: the same, then
-decode steps of 64 and of 256 requests and the prefill of 64 rollout prompts under
+decode steps of 64 and of 256 requests, the prefill of 64 rollout prompts and a
+multi-turn turn's first step (128 tokens more on each of 64 cached prompts) under
 torch.profiler, reported as each kernel's and copy's device time per step where the
-configurations differ);
+configurations differ, beside each call's wall time);
 then every configuration runs once per round, in an order that rotates between rounds
 (``--rounds``, default 3). Printed per configuration and workload: the median, min and
 max over rounds of generated tok/s and requests/min, host time per engine step in the
@@ -491,9 +492,13 @@ def child(args) -> None:
     run(rollout[:16], 16)  # warm-up (its prompts are cached; the workloads reset the cache)
     warm_up_s = time.perf_counter() - warmed
     profiles = {}
-    for name, (count, prompt_len, generated) in PROFILES.items() if args.profile else ():
+    for name, (count, prompt_len, generated, cached_len) in PROFILES.items() if args.profile else ():
         llm.reset_prefix_cache()
         prompts = [p[:prompt_len] for p in rollout[:count]]
+        if cached_len != 0:  # the earlier turns, cached off the profile; the turn adds the prompts' tokens
+            cached = [p[:cached_len] for p in rollout[:count]]
+            run(cached, 1)
+            prompts = [c + p for c, p in zip(cached, prompts)]
         profiles[name] = device_profile(lambda: run(prompts, generated), step_ends)
 
     def run_workload(name: str) -> dict:
@@ -584,12 +589,15 @@ def child(args) -> None:
     )), flush=True)
 
 
-# ``--warm-up profile``: name: (requests, prompt tokens, tokens generated). Decode steps
-# of as many requests as a multi-turn and a rollout step carries (short prompts, so that
-# the steps are nearly all decode), and prefill steps of the rollout's whole prompts
-# (None: the workloads' prompt length; one token generated, so every step is a chunk of
-# prompts).
-PROFILES = {"decode-64": (64, 128, 64), "decode-256": (256, 128, 64), "prefill-64": (64, None, 1)}
+# ``--warm-up profile``: name: (requests, prompt tokens, tokens generated, prompt tokens
+# cached first). Decode steps of as many requests as a multi-turn and a rollout step
+# carries (short prompts, so that the steps are nearly all decode), prefill steps of the
+# rollout's whole prompts (None: the workloads' prompt length; one token generated, so
+# every step is a chunk of prompts), and a multi-turn turn's first step: each request's
+# first prompt cached by an unprofiled call, then 128 tokens more prefilled on it in one
+# step (``turn-64``), where the V1 runner's turn starts ran slower with routing on.
+PROFILES = {"decode-64": (64, 128, 64, 0), "decode-256": (256, 128, 64, 0), "prefill-64": (64, None, 1, 0),
+            "turn-64": (64, 128, 1, None)}
 PROFILE_NAME_CHARS = 160  # a kernel's name kept (templated names run to thousands)
 PROFILE_MIN_US = 0.5  # the least difference between configurations a kernel is listed for
 PROFILE_ROWS = 30  # kernels the report lists per profile
@@ -600,8 +608,11 @@ def device_profile(generate, step_ends: list[float]) -> dict:
     one per step): each kernel's and copy's time and launches (torch.profiler; with no
     CUDA device, each CPU op's, so that the path runs on CPU too), and their sum
     (over every stream: copies overlapping kernels count in full). Kernels in CUDA
-    graphs are each their own entry. A profiler that fails is recorded, not raised (a
-    warm-up child serves on); ``generate()`` failing is raised."""
+    graphs are each their own entry. Also the call's wall time and its time to its first
+    step's end (the requests added and the first step run), the profiler on: where they
+    differ between configurations more than the device time, the host made the
+    difference. A profiler that fails is recorded, not raised (a warm-up child serves
+    on); ``generate()`` failing is raised."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -613,9 +624,11 @@ def device_profile(generate, step_ends: list[float]) -> dict:
     except Exception as error:  # noqa: BLE001 - the profiler's own failure, whatever it is
         return dict(error=f"{type(error).__name__}: {error}"[:1000])
     failed = None
+    called = time.perf_counter()
     try:
         generate()  # its own failure is raised: a routing check must fail the child
     finally:
+        returned = time.perf_counter()
         try:
             prof.stop()
             events = prof.key_averages()
@@ -631,8 +644,10 @@ def device_profile(generate, step_ends: list[float]) -> dict:
             entry = kernels.setdefault(event.key[:PROFILE_NAME_CHARS], [0.0, 0.0])
             entry[0] += us / steps
             entry[1] += event.count / steps
+    first_end = step_ends[first] if len(step_ends) > first else None
     return dict(steps=steps, device="cuda" if cuda else "cpu", busy_us_per_step=sum(v[0] for v in kernels.values()),
-                kernels=kernels)
+                kernels=kernels, wall_ms=1e3 * (returned - called),
+                first_step_ms=None if first_end is None else 1e3 * (first_end - called))
 
 
 def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
@@ -1073,7 +1088,8 @@ def device_profiles(children: list[dict]) -> dict:
         for workload, p in by_workload.items():
             entry = profiles.setdefault(workload, dict(configs={}, kernels={}))
             entry["configs"][config] = (dict(error=p["error"]) if "error" in p else
-                                        dict(busy_us_per_step=p["busy_us_per_step"], steps=p["steps"]))
+                                        dict(busy_us_per_step=p["busy_us_per_step"], steps=p["steps"],
+                                             **{k: p[k] for k in ("wall_ms", "first_step_ms") if k in p}))
     for workload, entry in profiles.items():
         ran = {config: found[config][workload]["kernels"] for config in entry["configs"]
                if "kernels" in found[config][workload]}
@@ -1246,6 +1262,11 @@ def report(summary: dict, header: str) -> str:
         lines.append("| all, summed over streams | " + " | ".join(
             f"error: {c['error'][:80]}" if "error" in c else f"{c['busy_us_per_step']:.1f} ({c['steps']} steps)"
             for c in entry["configs"].values()) + " |")
+        if any("wall_ms" in c for c in entry["configs"].values()):
+            lines.append("| the call's wall ms (to its first step's end), profiler on | " + " | ".join(
+                "-" if "wall_ms" not in c else f"{c['wall_ms']:.1f} ("
+                + ("-" if c.get("first_step_ms") is None else f"{c['first_step_ms']:.1f}") + ")"
+                for c in entry["configs"].values()) + " |")
         for name, by_config in list(entry["kernels"].items())[:PROFILE_ROWS]:
             cells = [by_config.get(c) for c in configs]
             lines.append(f"| {name[:100]} | " + " | ".join(

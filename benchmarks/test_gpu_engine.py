@@ -8,6 +8,7 @@ import json
 import os
 import pathlib
 import subprocess
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -532,16 +533,20 @@ def test_a_device_profile_gives_each_ops_time_per_engine_step_and_never_hides_a_
     step_ends = [0.0]
 
     def generate():
+        time.sleep(0.02)  # the requests added
         a = torch.ones(64, 64)
         for _ in range(4):  # four engine steps, each a matmul
             a = torch.mm(a, a) / 64
-            step_ends.append(1.0)
+            step_ends.append(time.perf_counter())
+        time.sleep(0.03)  # the outputs handed back
 
     profile = gpu_engine.device_profile(generate, step_ends)
     assert profile["steps"] == 4 and profile["device"] == "cpu"
     us, launches = profile["kernels"]["aten::mm"]
     assert us > 0 and launches == 1.0
     assert profile["busy_us_per_step"] == pytest.approx(sum(v[0] for v in profile["kernels"].values()))
+    # the call's wall time and its time to the first step's end, from this call's steps only
+    assert 20 <= profile["first_step_ms"] < profile["wall_ms"] - 30
 
     def failing():
         raise AssertionError("routed_experts (3, 2, 2), 4 rows expected")
@@ -553,7 +558,7 @@ def test_a_device_profile_gives_each_ops_time_per_engine_step_and_never_hides_a_
 def test_device_profiles_list_the_kernels_whose_time_differs_between_configurations():
     def warm_up(config, kernels, **extra):
         profile = {"decode-64": dict(steps=10, device="cuda", busy_us_per_step=sum(v[0] for v in kernels.values()),
-                                     kernels=kernels)}
+                                     kernels=kernels, wall_ms=1000.0 + len(kernels), first_step_ms=100.0 + len(kernels))}
         return dict(round=0, config=config, results={}, profile=profile, **extra)
 
     gemm, attention = "sm90_xmma_gemm_bf16", "flash_fwd_kernel"
@@ -567,7 +572,8 @@ def test_device_profiles_list_the_kernels_whose_time_differs_between_configurati
     ]
     profiles = gpu_engine.summarize(children)["device_profile"]
     entry = profiles["decode-64"]
-    assert entry["configs"]["slotroute"] == dict(busy_us_per_step=pytest.approx(6703.6), steps=10)
+    assert entry["configs"]["slotroute"] == dict(busy_us_per_step=pytest.approx(6703.6), steps=10,
+                                                 wall_ms=1005.0, first_step_ms=105.0)
     # the gemm's 0.2 us/step apart is below the threshold; what routing added first, absent
     # ones as 0, then the attention kernel all ran, 40 us apart by noise
     assert list(entry["kernels"]) == ["copy_kernel", "_pack_kernel", attention]
@@ -576,6 +582,8 @@ def test_device_profiles_list_the_kernels_whose_time_differs_between_configurati
     assert "| kernel | off | vllm | slotroute |" in report
     assert "| _pack_kernel | 0.0 (0.00) | 0.0 (0.00) | 11.0 (1.00) |" in report
     assert "| all, summed over streams | 6600.0 (10 steps) | 6712.2 (10 steps) | 6703.6 (10 steps) |" in report
+    assert ("| the call's wall ms (to its first step's end), profiler on | 1003.0 (103.0) | 1004.0 (104.0) "
+            "| 1005.0 (105.0) |") in report
 
     # a profiler that failed in one child: its error, the others' kernels still compared
     children[2]["profile"] = {"decode-64": dict(error="RuntimeError: CUPTI_ERROR_NOT_INITIALIZED")}
