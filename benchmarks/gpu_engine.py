@@ -46,6 +46,10 @@ configurations still to run warm up first, a round begun elsewhere runs again wh
 (the earlier figures kept in the JSON as ``superseded``), and every round's ratios
 come from one machine; the report names the machines and their rounds.
 
+``--narrow`` cuts the model's widths (hidden 128, MoE intermediate 64, 4 query and 1 KV
+head of 32) and keeps its layers, experts and top-k: each token's rows are the GPU
+run's size (384 bytes at 48 layers) where a CPU runs the workloads in minutes.
+
 The model runner is vLLM's default (V2 on 0.29-0.32); ``--runner v1`` sets
 ``VLLM_USE_V2_MODEL_RUNNER=0`` (on 0.31+ vLLM's own path needs V2: ``--configs
 off,slotroute`` there). ``--configs`` may also name ``slotroute-lazy``: slotroute with
@@ -132,9 +136,15 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def write_config(path: Path, layers: int) -> Path:
+# ``--narrow``: the layers, experts and top-k kept (so each token's rows are the GPU
+# run's 384 bytes at 48 layers), every width cut to what a CPU runs in minutes
+NARROW = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_attention_heads=4,
+              num_key_value_heads=1, head_dim=32)
+
+
+def write_config(path: Path, layers: int, narrow: bool = False) -> Path:
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(QWEN3_30B_A3B, num_hidden_layers=layers, max_window_layers=layers)
+    config = dict(QWEN3_30B_A3B, num_hidden_layers=layers, max_window_layers=layers, **(NARROW if narrow else {}))
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return path
 
@@ -1328,6 +1338,9 @@ def main() -> None:
     parser.add_argument("--gen-len", type=int, default=256, help="rollout tokens (multi-turn: half per turn)")
     parser.add_argument("--kv-cache-gb", type=float, help="KV cache size (needed on CPU)")
     parser.add_argument("--eager", action="store_true", help="no compilation or CUDA graphs (needed on CPU)")
+    parser.add_argument("--narrow", action="store_true",
+                        help="the model's widths cut (hidden 128, MoE intermediate 64, 4 query and 1 KV head of 32), "
+                             "its layers, experts and top-k kept: rows of the GPU run's size at a CPU's speed")
     parser.add_argument("--json", help="write every child and the summary here; continue a run found there")
     parser.add_argument("--budget-s", type=float, help="start no child that would end after this many seconds")
     parser.add_argument("--rewarm", action="store_true",
@@ -1366,8 +1379,11 @@ def main() -> None:
     allocator = allocator_environment(os.environ)
     if allocator:  # as does a run under glibc's default allocation
         setup["allocator"] = allocator
+    if args.narrow:  # as does a run of the model's own widths
+        setup["narrow"] = True
     state = continued(args.json, setup, plan(configs, args.rounds))
-    model = write_config(Path(tempfile.gettempdir()) / f"qwen3-30b-a3b-shape-{args.layers}", args.layers)
+    name = f"qwen3-30b-a3b-shape-{args.layers}" + ("-narrow" if args.narrow else "")
+    model = write_config(Path(tempfile.gettempdir()) / name, args.layers, args.narrow)
     env = dict(os.environ)
     if args.runner == "v1":
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
@@ -1435,7 +1451,8 @@ def main() -> None:
     version = done[0].get("vllm", "?") if done else "?"
     state["summary"] = summarize(state["children"])
     state["device"] = device
-    header = (f"device {device}, vLLM {version}, runner {args.runner}, {args.layers} layers, rollout {args.requests} x "
+    header = (f"device {device}, vLLM {version}, runner {args.runner}, {args.layers} layers"
+              + (" of the narrow widths" if args.narrow else "") + f", rollout {args.requests} x "
               f"({args.prompt_len} + {args.gen_len}), multi-turn {max(args.requests // 4, 1)} x {TURNS} turns; "
               + (f"{args.passes} passes a child, its figures the middle pass's by wall time; " if args.passes > 1 else "")
               + "".join(f"{k}={v}, every child; " for k, v in allocator.items())

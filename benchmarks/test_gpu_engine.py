@@ -3,6 +3,7 @@ made-up children: the rounds it runs and how it says whether a difference is res
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -271,13 +272,16 @@ def test_configs_and_workloads_other_than_the_known_ones_each_named_once_are_ref
     assert not (tmp_path / "run.json").exists()
 
 
+def set_up(path, *options, env=None):
+    """The benchmark with a budget of 0 s: the run at ``path`` set up and written, no child started."""
+    return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0", *options],
+                          capture_output=True, text=True, env=env)
+
+
 def test_a_run_of_some_workloads_keeps_them_in_its_setup_and_is_continued_only_with_them(tmp_path):
     pytest.importorskip("vllm")
     path = str(tmp_path / "run.json")
-
-    def run(*options):  # a budget of 0 s: the run is set up and written, no child started
-        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0", *options],
-                              capture_output=True, text=True)
+    run = functools.partial(set_up, path)
 
     assert run("--workloads", "multi-turn,multi-turn-start").returncode == 0
     assert json.loads(pathlib.Path(path).read_text())["setup"]["workloads"] == ["multi-turn", "multi-turn-start"]
@@ -723,16 +727,36 @@ def test_children_of_one_pass_have_no_first_pass_comparison():
 def test_passes_are_part_of_the_setup_a_run_is_continued_with(tmp_path):
     pytest.importorskip("vllm")
     path = str(tmp_path / "run.json")
-
-    def call(*options):
-        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0", *options],
-                              capture_output=True, text=True)
+    call = functools.partial(set_up, path)
 
     assert call("--passes", "3").returncode == 0
     assert json.loads(pathlib.Path(path).read_text())["setup"]["passes"] == 3
     other = call()  # one pass a child: another setup
     assert other.returncode != 0 and "passes: 3 there, None asked" in other.stderr
     assert call("--passes", "0").returncode != 0
+
+
+def test_the_narrow_model_keeps_the_rows_shape_and_cuts_every_width(tmp_path):
+    full = json.loads((gpu_engine.write_config(tmp_path / "full", 48) / "config.json").read_text())
+    narrow = json.loads((gpu_engine.write_config(tmp_path / "narrow", 48, narrow=True) / "config.json").read_text())
+    rows = ("num_hidden_layers", "num_experts", "num_experts_per_tok", "mlp_only_layers", "decoder_sparse_step")
+    assert [narrow[k] for k in rows] == [full[k] for k in rows] == [48, 128, 8, [], 1]
+    widths = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
+    assert all(narrow[k] < full[k] for k in widths)
+    assert narrow["num_attention_heads"] % narrow["num_key_value_heads"] == 0
+    assert {k: v for k, v in narrow.items() if k not in widths} == {k: v for k, v in full.items() if k not in widths}
+
+
+def test_a_narrow_run_records_it_in_its_setup_and_is_continued_only_narrow(tmp_path):
+    pytest.importorskip("vllm")
+    path = str(tmp_path / "run.json")
+    call = functools.partial(set_up, path)
+
+    assert call("--narrow").returncode == 0
+    assert json.loads(pathlib.Path(path).read_text())["setup"]["narrow"] is True
+    other = call()  # the model's own widths: another setup
+    assert other.returncode != 0 and "narrow: True there, None asked" in other.stderr
 
 
 def test_the_allocators_variables_are_the_glibc_ones_only():
@@ -751,8 +775,7 @@ def test_a_run_under_the_allocators_variables_records_them_and_is_continued_only
     def call(**env):
         allocator = gpu_engine.allocator_environment(os.environ)
         base = {k: v for k, v in os.environ.items() if k not in allocator}
-        return subprocess.run([os.sys.executable, gpu_engine.__file__, "--json", path, "--budget-s", "0"],
-                              capture_output=True, text=True, env=dict(base, **env))
+        return set_up(path, env=dict(base, **env))
 
     assert call(GLIBC_TUNABLES=tuned).returncode == 0
     assert json.loads(pathlib.Path(path).read_text())["setup"]["allocator"] == dict(GLIBC_TUNABLES=tuned)
