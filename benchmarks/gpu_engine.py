@@ -570,6 +570,7 @@ def child(args) -> None:
             # the part of the turn starts spent adding the requests, before the engine's first
             # step, and the minor page faults and the garbage collector's time in it
             turn_add_ms=None if adding is None else 1e3 * adding[0],
+            turn_adds_ms=None if adding is None else [round(1e3 * added[0], 3) for added in turn_starts],  # each call's
             turn_add_faults=None if adding is None else adding[1],
             turn_add_gc_ms=None if adding is None else 1e3 * adding[2],
             # and its parts (time_adding), over the pass
@@ -674,15 +675,18 @@ def timeline(generate_calls: list[tuple], wall_s: float) -> dict:
     forward left to overlap them at a turn's end; and the workload's time outside
     ``generate`` (the benchmark's own checks and next prompts). The intervals at the
     period, the time beyond it, the starts, the ends and the time outside add up to the
-    workload's wall time. Every interval too, per call (``step_intervals_ms``)."""
+    workload's wall time. Every interval too, per call (``step_intervals_ms``), and
+    each call's start (``turn_starts_ms``: one slow turn told from every turn slower)."""
     intervals = [[b - a for a, b in zip(ends, ends[1:])] for _, ends, _, _ in generate_calls]
     periods = [interval for call in intervals for interval in call]
     stepped = [call for call in generate_calls if call[1]]
+    starts = [ends[0] - called for called, ends, _, _ in stepped]
     period = statistics.median(periods) if periods else None
     return dict(
         step_period_us=None if period is None else 1e6 * period,
         beyond_period_ms=0.0 if period is None else 1e3 * (sum(periods) - len(periods) * period),
-        turn_start_ms=1e3 * sum(ends[0] - called for called, ends, _, _ in stepped),
+        turn_start_ms=1e3 * sum(starts),
+        turn_starts_ms=[round(1e3 * start, 3) for start in starts],
         last_update_ms=1e3 * sum(last_update for _, _, _, last_update in stepped),
         turn_end_ms=1e3 * sum(returned - ends[-1] for _, ends, returned, _ in stepped),
         outside_generate_ms=1e3 * (wall_s - sum(returned - called for called, _, returned, _ in generate_calls)),

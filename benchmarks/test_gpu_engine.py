@@ -311,6 +311,7 @@ def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_call
     t = gpu_engine.timeline(calls, wall_s=0.2)
     assert t["step_period_us"] == pytest.approx(10_000.0)  # median of 10, 10, 10, 20, 20 ms
     assert t["turn_start_ms"] == pytest.approx(50.0 + 30.0)
+    assert t["turn_starts_ms"] == pytest.approx([50.0, 30.0])  # each call's, in call order
     assert t["last_update_ms"] == pytest.approx(4.0 + 6.0)
     assert t["turn_end_ms"] == pytest.approx(15.0 + 20.0)
     assert t["outside_generate_ms"] == pytest.approx(200.0 - 95.0 - 90.0)
@@ -322,7 +323,7 @@ def test_the_timeline_splits_a_workload_into_step_periods_and_each_generate_call
     # a call that ran no step (nothing to schedule) adds no start or end, and no period
     empty = gpu_engine.timeline([(0.0, [], 0.001, 0.0)], wall_s=0.002)
     assert empty["step_period_us"] is None and empty["turn_end_ms"] == 0.0 == empty["last_update_ms"]
-    assert empty["beyond_period_ms"] == 0.0
+    assert empty["beyond_period_ms"] == 0.0 and empty["turn_starts_ms"] == []
     assert empty["outside_generate_ms"] == pytest.approx(1.0)
 
 
