@@ -167,9 +167,12 @@ class Timer:
     faults of the calling thread during each call, by ``label:method`` (a first touch
     of memory the allocator mapped fresh; two ``getrusage`` calls a call, so only the
     warm-up children count them, but for a method wrapped with ``count_faults=True``),
-    and every call's faults (``fault_samples``)."""
+    and every call's faults (``fault_samples``). A method wrapped with ``mark`` also
+    leaves each call's start and end in ``marks``, as ``(mark, started, ended)``: which
+    of a turn's calls ran before its first step ended (``start_parts``)."""
 
     def __init__(self, count_faults: bool = False) -> None:
+        self.marks: list[tuple[str, float, float]] = []
         self.seconds: dict[str, float] = {}
         self.calls: dict[str, int] = {}
         self.samples: dict[str, list[float]] = {}  # every call's seconds, by label:method
@@ -189,11 +192,12 @@ class Timer:
             self.gc_seconds[generation] = self.gc_seconds.get(generation, 0.0) + time.perf_counter() - self._gc_started
             self.gc_runs[generation] = self.gc_runs.get(generation, 0) + 1
 
-    def wrap(self, owner, name: str, label: str, on_call=None, count_faults: bool | None = None) -> None:
+    def wrap(self, owner, name: str, label: str, on_call=None, count_faults: bool | None = None,
+             mark: str | None = None) -> None:
         inner = getattr(owner, name)
         keys = (label, f"{label}:{name}")
-        seconds, calls, samples, faults, fault_samples = (self.seconds, self.calls, self.samples, self.faults,
-                                                          self.fault_samples)
+        seconds, calls, samples, faults, fault_samples, marks = (self.seconds, self.calls, self.samples, self.faults,
+                                                                 self.fault_samples, self.marks)
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -203,6 +207,8 @@ class Timer:
                 seconds[key] = seconds.get(key, 0.0) + took
                 calls[key] = calls.get(key, 0) + 1
             samples.setdefault(keys[1], []).append(took)
+            if mark is not None:
+                marks.append((mark, started, started + took))
             if on_call is not None:
                 on_call(args, result)
             return result
@@ -219,8 +225,8 @@ class Timer:
         setattr(owner, name, counted if counting else timed)
 
     def reset(self) -> None:
-        for kept in (self.seconds, self.calls, self.samples, self.faults, self.fault_samples, self.gc_seconds,
-                     self.gc_runs):
+        for kept in (self.marks, self.seconds, self.calls, self.samples, self.faults, self.fault_samples,
+                     self.gc_seconds, self.gc_runs):
             kept.clear()
 
 
@@ -232,6 +238,46 @@ def time_adding(timer: Timer, engine) -> None:
     multiprocessing). Each part's seconds are ``timer.seconds["adding_" + attribute]``."""
     for owner, method in ADDING:
         timer.wrap(getattr(engine, owner), method, f"adding_{owner}")
+
+
+# The host's calls a turn's start is split into (start_parts), each wrapped with its
+# mark: vLLM's schedule, the runner's execute_model and sample_tokens, the wait for a
+# step's output (its async output's get_output), vLLM's update_from_output and the
+# front end's process_outputs.
+START_PARTS = ("schedule", "execute", "sample", "wait", "update", "output")
+
+
+def time_runner(timer: Timer, runner) -> None:
+    """Time the model runner's calls of a step in every configuration alike (three
+    wrapped calls a step, about a microsecond each): ``execute_model`` and
+    ``sample_tokens`` on ``runner``, and the ``get_output`` of the async outputs that
+    ``sample_tokens`` returns (where a step's output waits for the device), wrapped on
+    their class the first time one comes: a wrapper on each output would hold it in a
+    reference cycle, its memory kept until a garbage collection."""
+    waited: set[type] = set()
+
+    def time_wait(args, result) -> None:
+        kind = type(result)
+        if kind not in waited and hasattr(kind, "get_output"):
+            waited.add(kind)
+            timer.wrap(kind, "get_output", "runner", mark="wait")
+
+    timer.wrap(runner, "execute_model", "runner", mark="execute")
+    timer.wrap(runner, "sample_tokens", "runner", mark="sample", on_call=time_wait)
+
+
+def start_parts(called: float, ends: list[float], marks: list[tuple[str, float, float]]) -> dict | None:
+    """The host ms, by ``START_PARTS`` mark, of the marked calls (``Timer.marks``) that
+    ran between a ``generate`` call's start (``called``) and its first step's end
+    (``ends[0]``): where a turn's start went beside the adding of its requests. None
+    for a call that ran no step."""
+    if not ends:
+        return None
+    parts = dict.fromkeys(START_PARTS, 0.0)
+    for part, began, ended in marks:
+        if part in parts and called <= began and ended <= ends[0]:
+            parts[part] += 1e3 * (ended - began)
+    return parts
 
 
 def is_connector_generation() -> bool:
@@ -413,10 +459,13 @@ def child(args) -> None:
     # it is the difference from routing off.
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     step_ends: list[float] = []  # when each update_from_output returned: the engine's steps, in time
-    timer.wrap(scheduler, "update_from_output", "steps", on_call=lambda args, result: step_ends.append(time.perf_counter()))
+    timer.wrap(scheduler, "update_from_output", "steps", mark="update",
+               on_call=lambda args, result: step_ends.append(time.perf_counter()))
     scheduled: list[int] = []  # each schedule's tokens, in order (the steps that carry prefill are long)
-    timer.wrap(scheduler, "schedule", "schedule",
+    timer.wrap(scheduler, "schedule", "schedule", mark="schedule",
                on_call=lambda args, result: scheduled.append(result.total_num_scheduled_tokens))
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    time_runner(timer, runner)
     time_adding(timer, llm.llm_engine)
     config = llm.llm_engine.vllm_config
     rollout, conversations, _ = workloads(args.requests, args.prompt_len)
@@ -424,20 +473,23 @@ def child(args) -> None:
     routing = args.child != "off"
 
     generate_calls: list[tuple] = []  # (called, steps' ends, returned, the last step's update_from_output seconds)
+    call_start_parts: list[dict | None] = []  # per generate call, its start's host ms by part (start_parts)
     call_schedules: list[list[int]] = []  # per generate call, its schedules' tokens (empty ones too)
     call_requests: list[int] = []  # per generate call, its requests
-    # per generate call, each step's host us in vLLM's update_from_output and schedule, and in the
-    # front end's process_outputs (LLMEngine.step's), in order: what each kind of step costs the host
+    # per generate call, each step's host us in vLLM's update_from_output and schedule, in the
+    # front end's process_outputs (LLMEngine.step's) and in the runner's calls (time_runner), in
+    # order: what each kind of step costs the host
     finished: list[int] = []  # each process_outputs call's requests finished (their rows joined there)
     if hasattr(getattr(llm.llm_engine, "output_processor", None), "process_outputs"):
         # its page faults too, in every configuration alike (two getrusage calls a step): a
         # finishing request's rows are joined into a new array there, memory the allocator
         # may hand out fresh
-        timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output", count_faults=True,
+        timer.wrap(llm.llm_engine.output_processor, "process_outputs", "output", count_faults=True, mark="output",
                    on_call=lambda args, result: finished.append(
                        sum(bool(getattr(o, "finished", False)) for o in getattr(result, "request_outputs", ()))))
     host_series = {"update": "steps:update_from_output", "schedule": "schedule:schedule",
-                   "output": "output:process_outputs"}
+                   "output": "output:process_outputs", "execute": "runner:execute_model",
+                   "sample": "runner:sample_tokens", "wait": "runner:get_output"}
     call_host_us: dict[str, list[list[int]]] = {name: [] for name in host_series}
     call_output_faults: list[list[int]] = []  # per generate call, each process_outputs call's page faults
     call_finished: list[list[int]] = []  # per generate call, each process_outputs call's requests finished
@@ -478,6 +530,7 @@ def child(args) -> None:
         first_run = len(engine_runs)
         first_host = {name: len(timer.samples.get(key, ())) for name, key in host_series.items()}
         first_faults, first_finished = len(timer.fault_samples.get(host_series["output"], ())), len(finished)
+        first_mark = len(timer.marks)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         returned, ends = time.perf_counter(), step_ends[first:]
         call_schedules.append(scheduled[first_schedule:])
@@ -489,6 +542,7 @@ def child(args) -> None:
         # the last step's update_from_output: where the finished requests' outputs are made
         last_update = timer.samples["steps:update_from_output"][-1] if ends else 0.0
         generate_calls.append((called, ends, returned, last_update))
+        call_start_parts.append(start_parts(called, ends, timer.marks[first_mark:]))
         call_added.append(tuple(map(operator.sub, engine_runs[first_run], called_marks))
                           if len(engine_runs) > first_run else None)
         for output, start in zip(outputs, starts or [0] * len(prompts)):
@@ -517,6 +571,7 @@ def child(args) -> None:
         timer.reset()
         shipped.clear()
         generate_calls.clear()
+        call_start_parts.clear()
         call_schedules.clear()
         call_requests.clear()
         for calls in (*call_host_us.values(), call_output_faults, call_finished):
@@ -546,6 +601,9 @@ def child(args) -> None:
         # the adding of the requests over the generate calls that ran steps (the turn starts)
         turn_starts = [added for added, (_, ends, _, _) in zip(call_added, generate_calls) if ends]
         adding = None if None in call_added else [sum(parts) for parts in zip((0.0, 0, 0.0), *turn_starts)]
+        started = [parts for parts in call_start_parts if parts is not None]
+        in_parts = {f"start_{part}_ms": sum(parts[part] for parts in started) for part in START_PARTS}
+        timed = timeline(generate_calls, wall)
         return dict(
             wall_s=wall, tok_s=generated / wall, req_min=60 * requests / wall, steps=steps,
             bytes_per_step=sum(shipped) / steps,
@@ -563,7 +621,7 @@ def child(args) -> None:
             gc_ms={str(g): 1e3 * v for g, v in sorted(timer.gc_seconds.items())},
             gc_runs={str(g): v for g, v in sorted(timer.gc_runs.items())},
             host_pool_chunks_added=pool["added"], host_pool_bytes_added=pool["added_bytes"],
-            **timeline(generate_calls, wall),
+            **timed,
             scheduled_tokens=[list(tokens) for tokens in call_schedules], requests_per_call=list(call_requests),
             step_host_us={name: [list(call) for call in calls] for name, calls in call_host_us.items()},
             **finishing(call_host_us["output"], call_output_faults, call_finished),
@@ -573,6 +631,12 @@ def child(args) -> None:
             turn_adds_ms=None if adding is None else [round(1e3 * added[0], 3) for added in turn_starts],  # each call's
             turn_add_faults=None if adding is None else adding[1],
             turn_add_gc_ms=None if adding is None else 1e3 * adding[2],
+            # the rest of the turn starts: the host's calls in them by part (start_parts),
+            # summed over the calls and each call's, and what neither the adding nor they
+            # took (the engine's loop, or the host waiting on nothing it timed)
+            **in_parts,
+            turn_start_parts_ms={part: [round(parts[part], 3) for parts in started] for part in START_PARTS},
+            start_rest_ms=None if adding is None else timed["turn_start_ms"] - 1e3 * adding[0] - sum(in_parts.values()),
             # and its parts (time_adding), over the pass
             **{f"add_{owner}_ms": 1e3 * timer.seconds.get(f"adding_{owner}", 0.0) for owner, _ in ADDING},
             # vLLM 0.28-0.30's prompts read ahead of their last prefill step's output, and
@@ -583,7 +647,6 @@ def child(args) -> None:
     results = {}
     for name in () if args.compile_only else args.workloads.split(","):
         results[name] = middle_pass([run_workload(name) for _ in range(args.passes)])
-    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     import vllm
 
     print("CHILD " + json.dumps(dict(
@@ -1014,6 +1077,7 @@ def summarize(children: list[dict]) -> dict:
             if runs and all(k is not None for k in kinds):
                 by_config[config]["step_kinds"] = {key: _spread([k[key] for k in kinds]) for key in kinds[0]}
             by_config[config]["per_round"] = _per_round([c["round"] for c in ran], runs, kinds)
+            by_config[config]["start_per_round"] = _per_round([c["round"] for c in ran], runs, kinds, START_PER_ROUND)
         summary["configs"][workload] = by_config
         for config, against, claim in COMPARISONS:
             if config not in by_config or against not in by_config:
@@ -1060,14 +1124,22 @@ PER_ROUND = (("wall s", "result", "wall_s"), ("prompt steps' intervals", "kinds"
              ("finishing steps' process_outputs", "result", "finishing_output_ms"),
              ("their page faults", "result", "finishing_faults"))
 DECIMALS = {"wall_s": 2, "turn_add_gc_ms": 1}  # a column's decimals where not 0
+# The turn starts' table, per round (children from 2026-12-08 on): the adding of the
+# requests and the host's calls before each turn's first step ended (START_PARTS).
+START_PER_ROUND = (("turn starts", "result", "turn_start_ms"), ("adding the requests", "result", "turn_add_ms"),
+                   ("schedule", "result", "start_schedule_ms"), ("execute_model", "result", "start_execute_ms"),
+                   ("sample_tokens", "result", "start_sample_ms"),
+                   ("waiting for the output", "result", "start_wait_ms"),
+                   ("update_from_output", "result", "start_update_ms"),
+                   ("process_outputs", "result", "start_output_ms"), ("the rest", "result", "start_rest_ms"))
 
 
-def _per_round(rounds: list[int], runs: list[dict], kinds: list[dict | None]) -> dict:
+def _per_round(rounds: list[int], runs: list[dict], kinds: list[dict | None], columns=PER_ROUND) -> dict:
     """One configuration's figures on a workload in each of its counted ``rounds``
-    (its ``runs``' results and their ``step_kinds``, in round order), per ``PER_ROUND``
-    column: a list of one value a round, or None where some run lacks the figure."""
+    (its ``runs``' results and their ``step_kinds``, in round order), per column of
+    ``columns``: a list of one value a round, or None where some run lacks the figure."""
     figures: dict = {"round": rounds}
-    for _, source, key in PER_ROUND:
+    for _, source, key in columns:
         values = [(run if source == "result" else kind or {}).get(key) for run, kind in zip(runs, kinds)]
         figures[key] = None if None in values else values
     return figures
@@ -1182,6 +1254,23 @@ def rounds_done(summary: dict, planned: int) -> str:
     return text + ")"
 
 
+def _per_round_table(summary: dict, name: str, columns, title: str, needs: str | None = None) -> list[str]:
+    """The lines of a per-round table (``name``, made by ``_per_round`` with
+    ``columns``) under ``title``; none where no configuration has figures for the
+    column ``needs`` (children older than it)."""
+    per_round = [(workload, config, m[name]) for workload, by_config in summary["configs"].items()
+                 for config, m in by_config.items() if name in m]
+    if not per_round or needs is not None and all(figures[needs] is None for _, _, figures in per_round):
+        return []
+    lines = ["", title, "", "| workload | config | rounds | " + " | ".join(heading for heading, _, _ in columns) + " |",
+             "|---" * (3 + len(columns)) + "|"]
+    for workload, config, figures in per_round:
+        cells = ["-" if figures[key] is None else ", ".join(
+            f"{v:.{DECIMALS.get(key, 0)}f}" for v in figures[key]) for _, _, key in columns]
+        lines.append(f"| {workload} | {config} | {', '.join(map(str, figures['round']))} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def report(summary: dict, header: str) -> str:
     lines = [header, "",
              "| workload | config | tok/s median (min-max) | req/min median | worker us/step (routing calls) "
@@ -1228,17 +1317,11 @@ def report(summary: dict, header: str) -> str:
                 cells = ["-" if f"{kind}_{name}_ms" not in k else _spread_cell(k[f"{kind}_{name}_ms"])
                          for kind in ("prompt", "decode") for name in ("update", "schedule", "output")]
                 lines.append(f"| {workload} | {config} | " + " | ".join(cells) + " |")
-    per_round = [(workload, config, m["per_round"]) for workload, by_config in summary["configs"].items()
-                 for config, m in by_config.items() if "per_round" in m]
-    if per_round:
-        lines += ["", "Per round, in round order (ms; wall s in seconds):", "",
-                  "| workload | config | rounds | " + " | ".join(heading for heading, _, _ in PER_ROUND) + " |",
-                  "|---" * (3 + len(PER_ROUND)) + "|"]
-        for workload, config, figures in per_round:
-            cells = ["-" if figures[key] is None else ", ".join(
-                f"{v:.{DECIMALS.get(key, 0)}f}" for v in figures[key]) for _, _, key in PER_ROUND]
-            lines.append(f"| {workload} | {config} | {', '.join(map(str, figures['round']))} | "
-                         + " | ".join(cells) + " |")
+    lines += _per_round_table(summary, "per_round", PER_ROUND, "Per round, in round order (ms; wall s in seconds):")
+    lines += _per_round_table(summary, "start_per_round", START_PER_ROUND,
+                              "Turn starts per round, in round order (ms summed over a pass's calls): the adding "
+                              "of the requests and the host's calls before each call's first step ended, and the rest:",
+                              needs="start_execute_ms")
     lines += ["", "| workload | host us/step added (worker + scheduler beyond off's, same round): slotroute "
               "| vLLM's own | slotroute / vLLM's own, median (same-round range) |", "|---|---|---|---|"]
 

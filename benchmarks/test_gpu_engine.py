@@ -4,12 +4,14 @@ made-up children: the rounds it runs and how it says whether a difference is res
 from __future__ import annotations
 
 import functools
+import gc
 import importlib.util
 import json
 import os
 import pathlib
 import subprocess
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -846,3 +848,69 @@ def test_the_adding_of_a_request_is_timed_in_its_three_parts_each_call_once():
     labels = ("adding_input_processor", "adding_output_processor", "adding_engine_core")
     assert {label: timer.calls[label] for label in labels} == dict.fromkeys(labels, 2)
     assert all(timer.seconds[label] > 0 for label in labels)
+
+
+def test_a_turns_start_is_split_into_the_host_calls_that_ran_before_its_first_step_ended():
+    # a call made at 1.0 s whose first step ended at 1.1 s: the calls inside that window
+    # count by their mark; one that began before the call, one that ended after the
+    # step and one of another mark count nowhere
+    marks = [("schedule", 0.99, 1.002), ("schedule", 1.005, 1.010), ("execute", 1.010, 1.040),
+             ("sample", 1.040, 1.042), ("schedule", 1.042, 1.050), ("execute", 1.050, 1.070),
+             ("wait", 1.070, 1.095), ("update", 1.095, 1.099), ("update", 1.150, 1.152), ("other", 1.01, 1.02)]
+    parts = gpu_engine.start_parts(1.0, [1.1, 1.2], marks)
+    assert list(parts) == list(gpu_engine.START_PARTS)
+    assert parts == pytest.approx(dict(schedule=5.0 + 8.0, execute=30.0 + 20.0, sample=2.0, wait=25.0, update=4.0,
+                                       output=0.0))
+    assert gpu_engine.start_parts(1.0, [], marks) is None  # a call that ran no step
+
+
+def test_the_runners_calls_and_each_steps_wait_for_its_output_are_timed_and_marked():
+    class Output:  # an async step output: get_output waits for the device
+        def get_output(self):
+            time.sleep(0.002)
+            return "tokens"
+
+    class Runner:
+        def execute_model(self, scheduler_output):
+            return None
+
+        def sample_tokens(self, grammar_output):
+            return Output() if grammar_output == "async" else "tokens"  # the synchronous path: no wait
+
+    timer, runner = gpu_engine.Timer(), Runner()
+    gpu_engine.time_runner(timer, runner)
+    runner.execute_model("step")
+    first = runner.sample_tokens("async")
+    runner.sample_tokens("sync")
+    assert first.get_output() == "tokens"
+    assert [m[0] for m in timer.marks] == ["execute", "sample", "sample", "wait"]
+    assert all(ended >= began for _, began, ended in timer.marks)
+    assert timer.marks[-1][2] - timer.marks[-1][1] >= 0.002  # the wait's own time
+    assert timer.calls["runner:get_output"] == 1 and timer.calls["runner:sample_tokens"] == 2
+    # each step's output timed, once, and freed as soon as the engine drops it (a
+    # step's output holds device and pinned memory: no cycle may keep it for the collector)
+    second = runner.sample_tokens("async")
+    assert second.get_output() == "tokens" and timer.calls["runner:get_output"] == 2
+    dropped = weakref.ref(second)
+    gc.disable()  # only reference counting may free it
+    try:
+        del first, second
+        assert dropped() is None
+    finally:
+        gc.enable()
+    timer.reset()
+    assert timer.marks == []
+
+
+def test_the_report_splits_each_rounds_turn_starts_only_where_the_children_recorded_the_parts():
+    children = [child(r, config, 100.0) for r in (1, 2) for config in ("off", "slotroute")]
+    for c in children:
+        c["results"]["rollout"].update(turn_start_ms=100.0, turn_add_ms=30.0)
+    assert "Turn starts per round" not in gpu_engine.report(gpu_engine.summarize(children), "h")  # older children
+    for c, execute in zip(children, (20.0, 35.0, 22.0, 33.0)):
+        c["results"]["rollout"].update(
+            start_schedule_ms=10.0, start_execute_ms=execute, start_sample_ms=2.0, start_wait_ms=25.0,
+            start_update_ms=3.0, start_output_ms=1.0, start_rest_ms=100.0 - 30.0 - 41.0 - execute)
+    report = gpu_engine.report(gpu_engine.summarize(children), "h")
+    assert "Turn starts per round" in report
+    assert "| rollout | slotroute | 1, 2 | 100, 100 | 30, 30 | 10, 10 | 35, 33 | 2, 2 | 25, 25 | 3, 3 | 1, 1 | -6, -4 |" in report
